@@ -1,0 +1,165 @@
+"""Typed parameters: one model per `params.yaml` section, loaded and validated with clear errors.
+
+`params.yaml` is the single source of truth. Each stage reads its own section plus the shared ones
+(`seed`, `model`, `protocol`, `rollout`); an unknown or mistyped key fails with its dotted path named::
+
+    params.yaml: eval.turn_limits.0: Input should be a valid integer
+
+Every field carries a docstring (pydantic turns it into the field's description), so `loupe params --help`
+style documentation and the comments in params.yaml come from one place.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from loupe.tools import PixelBudget
+
+
+class Section(BaseModel):
+    """Base of every params section: unknown keys are errors, field docstrings are descriptions."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+
+
+class ModelParams(Section):
+    """Which model the pipeline starts from."""
+
+    path: str = "work/models/tiny"
+    """Hugging Face model directory of the base model. The default is the embedded tiny Qwen2.5-VL, which the
+    `data` stage builds; point it at a local Qwen2.5-VL-7B-Instruct copy for real runs."""
+    build_tiny: bool = True
+    """Build the embedded tiny model at `path` when it is missing (only for the default; never downloads)."""
+    tiny_seed: int = 0
+    """Seed of the tiny model's weights and tokenizer corpus."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights' dtype when loading: `auto` is float32 on CPU and bfloat16 on GPU."""
+
+
+class ProtocolParams(Section):
+    """How the model talks and what it may see: shared by synth, rl and eval."""
+
+    name: str = "mini_o3"
+    """Protocol variant (loupe.protocol.PROTOCOLS): mini_o3, deepeyes or single_turn."""
+    min_pixels: int = Field(3136, gt=0)
+    """Smallest area (px) of an image shown to the model; crops are scaled up to it. Mini-o3: 40,000."""
+    max_pixels: int = Field(50176, gt=0)
+    """Largest area (px) of an image shown to the model; larger ones are scaled down. Mini-o3: 2,000,000."""
+    max_turns: int = Field(6, ge=1)
+    """Assistant turns allowed in training and synthesis (Mini-o3: 6); eval sets its own limit."""
+    max_images: int = Field(12, ge=1)
+    """Images a dialogue may hold (the question's included); a call past it ends the trajectory as over_turn."""
+    max_context_tokens: int = Field(8192, ge=64)
+    """Tokens a dialogue may hold; a turn that could overflow it ends the trajectory as over_turn."""
+    format_error_retries: int = Field(1, ge=0)
+    """Error observations given back after malformed turns before the trajectory ends as format_error."""
+    max_decode_pixels: int = Field(400_000_000, gt=0)
+    """Source images larger than this are refused before decoding (decompression-bomb guard)."""
+
+    @model_validator(mode="after")
+    def _budget_is_consistent(self) -> "ProtocolParams":
+        self.budget  # raises ValueError on a bad pair
+        from loupe.protocol import PROTOCOLS
+
+        if self.name not in PROTOCOLS:
+            raise ValueError(f"name: unknown protocol {self.name!r}; known: {', '.join(sorted(PROTOCOLS))}")
+        return self
+
+    @property
+    def budget(self) -> PixelBudget:
+        return PixelBudget(self.min_pixels, self.max_pixels)
+
+
+class OpenAIEndpointParams(Section):
+    """An OpenAI-compatible chat endpoint (a vLLM server, a hosted model)."""
+
+    base_url: str = "http://127.0.0.1:8000/v1"
+    """The endpoint's base URL, up to and including /v1."""
+    model: str = "default"
+    """Model name sent with each request."""
+    api_key_env: str = "OPENAI_API_KEY"
+    """Name of the environment variable holding the API key (the key itself never goes in params)."""
+    concurrency: int = Field(8, ge=1)
+    """Requests in flight at once."""
+    max_retries: int = Field(5, ge=0)
+    """Retries on 429, 5xx, time-outs and dropped connections before the request fails (the openai client's
+    exponential backoff with jitter, honouring Retry-After)."""
+    timeout_s: float = Field(120.0, gt=0)
+    """Seconds one request may take."""
+
+
+class RolloutParams(Section):
+    """The multi-turn loop's engine and sampling settings, shared by synth, rl and eval."""
+
+    engine: Literal["transformers", "vllm", "openai"] = "transformers"
+    """Who generates: transformers (CPU or GPU), vllm (GPU) or an OpenAI-compatible endpoint."""
+    temperature: float = Field(1.0, ge=0)
+    """Sampling temperature; 0 is greedy."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass."""
+    max_new_tokens: int = Field(256, ge=1)
+    """New tokens one assistant turn may generate; a turn that reaches it ends the trajectory as `length`."""
+    batch_size: int = Field(64, ge=1)
+    """Trajectories generated together in one batch (transformers engine)."""
+    device: str = "auto"
+    """Torch device for the transformers engine: auto (cuda when present), cpu or cuda:N."""
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    """vLLM's share of GPU memory."""
+    openai: OpenAIEndpointParams = OpenAIEndpointParams()
+    """Endpoint settings for the openai engine."""
+
+
+Params = TypeVar("Params", bound=Section)
+
+
+class ParamsError(ValueError):
+    """A params file or section that does not validate; the message names the file and the key path."""
+
+
+def _format_errors(source: str, prefix: str, err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        path = ".".join([prefix, *(str(p) for p in e["loc"])]) if prefix else ".".join(str(p) for p in e["loc"])
+        message = e["msg"].removeprefix("Value error, ")
+        lines.append(f"{source}: {path or '(root)'}: {message}")
+    return "\n".join(lines)
+
+
+def read_params_file(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ParamsError(f"{path}: params file not found")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as err:
+        raise ParamsError(f"{path}: not valid YAML ({err})") from None
+    if not isinstance(data, dict):
+        raise ParamsError(f"{path}: the top level must be a mapping of sections")
+    return data
+
+
+def parse_section(model: type[Params], data: Any, name: str, source: str = "params.yaml") -> Params:
+    """Validate one section's mapping; errors carry `source: name.key.path: message`."""
+    try:
+        return model.model_validate(data if data is not None else {})
+    except ValidationError as err:
+        raise ParamsError(_format_errors(source, name, err)) from None
+
+
+def load_section(model: type[Params], name: str, path: str | Path = "params.yaml") -> Params:
+    """Read `path` and validate section `name` (a dotted name reaches a nested mapping)."""
+    data: Any = read_params_file(path)
+    for part in name.split("."):
+        data = data.get(part) if isinstance(data, dict) else None
+    return parse_section(model, data, name, str(path))
+
+
+def load_seed(path: str | Path = "params.yaml") -> int:
+    seed = read_params_file(path).get("seed", 0)
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ParamsError(f"{path}: seed: must be an integer, got {seed!r}")
+    return seed

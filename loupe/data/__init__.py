@@ -1,0 +1,1 @@
+"""Task data: the task record format, the synthetic visual-search generator and benchmark readers."""

@@ -1,0 +1,83 @@
+"""What the rollout loop needs from a generator: start a dialogue, extend it, generate the next turns.
+
+An engine owns the running context of each trajectory (token ids for local models, chat messages for an HTTP
+endpoint) and extends it in place: the loop never re-renders the dialogue between turns (token-in/token-out,
+as verl found necessary for stable RL). Engines: `transformers` (hf.py), `vllm` (vllm_engine.py) and `openai`
+(openai_engine.py); the synth stage's oracle teacher is one more.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from PIL import Image
+
+
+@dataclass
+class Generation:
+    """One assistant turn as generated."""
+
+    text: str
+    """Decoded text of the new tokens, special tokens removed, a stop string kept."""
+    finish: Literal["stop", "eos", "length"]
+    """Why it stopped: a stop string (a tool call's closing tag), the end-of-turn token, or the token budget."""
+    num_tokens: int
+    """New tokens generated (an estimate where the engine sees no tokens)."""
+
+
+@dataclass
+class TokenTrace:
+    """A trajectory's full token sequence, which of its tokens the model generated, and their log-probs.
+
+    RL trains on exactly these ids: `generated[i]` is 1 for a model token, 0 for prompt, observation and
+    turn-closing tokens; `logprobs[i]` is the sampling log-prob of a generated token (0.0 elsewhere).
+    """
+
+    input_ids: list[int] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    images: list[Image.Image] = field(default_factory=list, repr=False)
+    """The images exactly as the model saw them, in placeholder order."""
+    extras: dict[str, Any] = field(default_factory=dict, repr=False)
+    """Engine-specific tensors (processed pixel values, grid sizes) kept for re-use, never serialised."""
+
+    def append(self, ids: list[int], generated: bool, logprobs: list[float] | None = None) -> None:
+        self.input_ids += ids
+        self.generated += [int(generated)] * len(ids)
+        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+class Engine(ABC):
+    """A generator the rollout loop drives. States are opaque to the loop."""
+
+    name: str = "engine"
+    batch_size: int = 1
+    """Dialogues generated together (the loop hands over all live ones; the engine chunks them)."""
+
+    @abstractmethod
+    def begin(self, system: str, question: str, images: list[Image.Image]) -> Any:
+        """A new dialogue's state: the system prompt and the first user turn (`<image>` placeholders)."""
+
+    @abstractmethod
+    def generate(self, states: list[Any], max_new_tokens: int) -> list[Generation]:
+        """Generate the next assistant turn of every state, appending it to that state."""
+
+    @abstractmethod
+    def add_user_turn(self, state: Any, text: str, images: list[Image.Image]) -> None:
+        """Close the assistant turn and append a user turn (an observation or an error message)."""
+
+    @abstractmethod
+    def context_length(self, state: Any) -> int:
+        """Tokens the dialogue holds now (an estimate where the engine sees no tokens)."""
+
+    def trace(self, state: Any) -> TokenTrace | None:
+        """The state's token-level record, where the engine has one."""
+        return None
+
+    def close(self) -> None:
+        """Release what the engine holds (GPU memory, threads)."""

@@ -1,0 +1,184 @@
+"""The trajectory record: one multi-turn attempt at one task, and its JSONL I/O.
+
+A trajectory is the dialogue after the system prompt: the user's question, then alternating assistant turns
+(reasoning plus a tool call or an answer) and user turns (an observation image, or an error message). Every
+image in the dialogue, in the order the `<image>` placeholders appear, is listed once in `images`: the task's
+images first, then each crop. Turns refer to images by their index there, so a crop's box can be drawn on
+its source and a dataset writer can copy each file once.
+
+Crops produced during a rollout live in memory (`pending`) until `write_trajectories` saves them as PNG files
+beside the JSONL (`images/<traj_id>/<index>.png`) and records their paths relative to the JSONL's folder.
+Token ids, the generated-token mask and sampling log-probs (what RL trains on) stay in memory on `trace`;
+they are not written to JSONL.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Iterable
+
+from PIL import Image
+
+from loupe.io import atomic_write_bytes, atomic_write_text
+
+END_REASONS = ("answered", "over_turn", "format_error", "length")
+"""Why a trajectory stopped: it answered; it was still calling tools at the turn, image or context limit;
+its last turn broke the format with no retries left; or it ran out of new-token budget mid-turn."""
+
+
+@dataclass
+class Turn:
+    """One message of the dialogue after the system prompt."""
+
+    role: str
+    """'user' (question, observation, error message) or 'assistant' (the model's turn)."""
+    text: str
+    """The message text verbatim; user turns hold one `<image>` placeholder per image."""
+    images: list[int] = field(default_factory=list)
+    """Indices into `Trajectory.images` of this turn's images, in placeholder order."""
+    action: str | None = None
+    """Assistant turns: 'call', 'answer' or 'error' (see loupe.protocol.Action.kind)."""
+    call: dict[str, Any] | None = None
+    """Assistant turns that call a tool: {'tool': name, 'arguments': {...}}."""
+    error: str | None = None
+    """Why the turn failed: a format error on an assistant turn, a tool error on the user turn after it."""
+    crop: dict[str, Any] | None = None
+    """Observation turns: {'source': name, 'source_image': index, 'box_px': [x0, y0, x1, y1], 'size': [w, h]}."""
+    num_tokens: int = 0
+    """Tokens this turn occupies in the model's context (generated tokens for assistant turns)."""
+
+
+@dataclass
+class Trajectory:
+    """One attempt at one task: the dialogue, why it ended, and how it scored."""
+
+    traj_id: str
+    """Unique id: '<doc_id>#<sample_index>' by convention."""
+    task: dict[str, Any]
+    """The task record (loupe.data.tasks.TaskRecord as a dict)."""
+    protocol: str
+    """Name of the protocol variant that produced the dialogue."""
+    system: str
+    """The system prompt."""
+    turns: list[Turn] = field(default_factory=list)
+    images: list[str] = field(default_factory=list)
+    """Every image of the dialogue in placeholder order; paths absolute or relative to the JSONL's folder."""
+    sample_index: int = 0
+    """Which of the K samples of this task this is."""
+    end_reason: str | None = None
+    """One of END_REASONS once finished."""
+    answer: str | None = None
+    """The extracted final answer, when it answered."""
+    rewards: dict[str, Any] = field(default_factory=dict)
+    """Reward parts (accuracy, format, tool, total, valid, ...) from loupe.rewards."""
+    num_tool_calls: int = 0
+    num_format_errors: int = 0
+    prompt_tokens: int = 0
+    """Tokens of the system prompt and the question, images included."""
+    generated_tokens: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Free-form extras: teacher name, engine, timings."""
+
+    # In memory only: never serialised.
+    pending: dict[int, Image.Image] = field(default_factory=dict, repr=False, compare=False)
+    """Crops not yet saved, by image index."""
+    trace: Any = field(default=None, repr=False, compare=False)
+    """The rollout's token-level record (ids, generated mask, log-probs), for RL."""
+    base_dir: Path | None = field(default=None, repr=False, compare=False)
+    """Folder that relative image paths resolve against (set when read from or written to a file)."""
+
+    @property
+    def num_turns(self) -> int:
+        """Assistant turns taken."""
+        return sum(1 for t in self.turns if t.role == "assistant")
+
+    def add_image(self, path_or_image: str | Path | Image.Image) -> int:
+        """Register an image of the dialogue; returns its index."""
+        index = len(self.images)
+        if isinstance(path_or_image, Image.Image):
+            self.images.append("")
+            self.pending[index] = path_or_image
+        else:
+            self.images.append(str(path_or_image))
+        return index
+
+    def image_path(self, index: int) -> Path:
+        """The file of image `index`; crops must have been saved (write_trajectories) first."""
+        if index in self.pending:
+            raise ValueError(f"trajectory {self.traj_id}: image {index} is an unsaved crop; write the trajectory first")
+        path = Path(self.images[index])
+        if not path.is_absolute() and self.base_dir is not None:
+            path = self.base_dir / path
+        return path
+
+    def load_image(self, index: int) -> Image.Image:
+        """Image `index` as a PIL image, from memory or from its file."""
+        if index in self.pending:
+            return self.pending[index]
+        with Image.open(self.image_path(index)) as img:
+            return img.convert("RGB")
+
+    def to_json(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("pending", "trace", "base_dir")}
+        data["turns"] = [asdict(t) for t in self.turns]
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], base_dir: Path | None = None) -> "Trajectory":
+        known = {f.name for f in fields(cls)} - {"pending", "trace", "base_dir"}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown trajectory fields {sorted(unknown)}")
+        data = dict(data)
+        data["turns"] = [Turn(**t) for t in data.get("turns", [])]
+        return cls(**data, base_dir=base_dir)
+
+
+def save_pending_images(trajectory: Trajectory, out_dir: Path) -> None:
+    """Write the trajectory's in-memory crops under `out_dir/images/<traj_id>/` and record relative paths."""
+    if not trajectory.pending:
+        return
+    folder = Path("images") / _safe_name(trajectory.traj_id)
+    for index, image in sorted(trajectory.pending.items()):
+        relative = folder / f"{index}.png"
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG", compress_level=1)
+        atomic_write_bytes(out_dir / relative, buffer.getvalue())
+        trajectory.images[index] = str(relative)
+    trajectory.pending.clear()
+    trajectory.base_dir = out_dir
+
+
+def _safe_name(traj_id: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in traj_id)
+
+
+def write_trajectories(trajectories: Iterable[Trajectory], path: str | Path) -> Path:
+    """Save crops beside `path`, then write all trajectories as JSONL atomically."""
+    path = Path(path)
+    lines = []
+    for trajectory in trajectories:
+        save_pending_images(trajectory, path.parent)
+        lines.append(json.dumps(trajectory.to_json(), ensure_ascii=False))
+    atomic_write_text(path, "".join(line + "\n" for line in lines))
+    return path
+
+
+def read_trajectories(path: str | Path) -> list[Trajectory]:
+    """Read a trajectory JSONL; errors name the file and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: trajectory file not found")
+    out = []
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                out.append(Trajectory.from_json(json.loads(line), base_dir=path.parent))
+            except (ValueError, TypeError) as err:
+                raise ValueError(f"{path}:{line_no}: not a trajectory record ({err})") from None
+    return out

@@ -1,0 +1,53 @@
+"""The `eval` section of params.yaml."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from loupe.config import Section
+from loupe.rewards import RewardConfig
+
+
+class BenchmarkSpec(Section):
+    """One benchmark to evaluate, read from a local copy."""
+
+    name: str
+    """Benchmark reader (loupe.data.benchmarks.BENCHMARKS): synthetic, vstar, hrbench4k, hrbench8k,
+    visualprobe_easy/medium/hard, mme_realworld_lite."""
+    path: str
+    """Local file or folder in the benchmark's published format."""
+    limit: int | None = Field(None, ge=1)
+    """Evaluate only the first N questions (smoke runs); None for all."""
+
+
+class EvalParams(Section):
+    """How the eval stage scores a model."""
+
+    benchmarks: list[BenchmarkSpec] = [BenchmarkSpec(name="synthetic", path="work/data/tasks")]
+    """Benchmarks to run, in order. A missing path is an error, never a skipped benchmark."""
+    samples: int = Field(1, ge=1)
+    """K samples per question: accuracy is Avg@K (mean over samples), plus pass@K. Mini-o3 reports Avg@32."""
+    max_turns: int = Field(8, ge=1)
+    """Turn limit at test time; the turn-scaling curve covers 1, 2, 4, ... up to it (Mini-o3 tests up to 32)."""
+    temperature: float | None = Field(None, ge=0)
+    """Sampling temperature for eval; None keeps rollout.temperature."""
+    viewer_trajectories: int = Field(40, ge=0)
+    """Trajectories shown in the HTML viewer page."""
+    reward: RewardConfig = RewardConfig()
+    """How answers are scored (exact match or an LLM judge for free-form answers)."""
+
+    @model_validator(mode="after")
+    def _names_unique(self) -> "EvalParams":
+        names = [b.name for b in self.benchmarks]
+        if len(set(names)) != len(names):
+            raise ValueError(f"benchmarks: each benchmark may appear once, got {names}")
+        return self
+
+    @property
+    def turn_limits(self) -> list[int]:
+        """1, 2, 4, ... and the maximum itself."""
+        limits, limit = [], 1
+        while limit < self.max_turns:
+            limits.append(limit)
+            limit *= 2
+        return limits + [self.max_turns]

@@ -1,0 +1,132 @@
+"""The transformers engine on the tiny model: token-in/token-out, masks, log-probs, batching, determinism."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from loupe.config import ProtocolParams
+from loupe.data.tasks import TaskRecord
+from loupe.models import load_model, load_processor
+from loupe.protocol import get_protocol
+from loupe.rollout.hf import TransformersEngine, learn_turn_markup
+from loupe.rollout.loop import run_rollouts
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return load_model(tiny_model_dir), load_processor(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def task_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tasks")
+    image = Image.new("RGB", (1400, 1000), (30, 90, 160))
+    image.paste((250, 220, 0), (700, 500, 760, 560))
+    image.save(folder / "scene.png")
+    return folder
+
+
+def tasks(n: int) -> list[TaskRecord]:
+    return [
+        TaskRecord(doc_id=f"q{i}", images=["scene.png"], problem=f"What colour is square {i}?", solution="A",
+                   options=["yellow", "blue", "red"])
+        for i in range(n)
+    ]
+
+
+PROTOCOL = ProtocolParams(min_pixels=3136, max_pixels=50176, max_turns=3)
+
+
+def engine(tiny, **kw) -> TransformersEngine:
+    model, processor = tiny
+    settings = {"stop": get_protocol("mini_o3").stop, "temperature": 1.0, "top_p": 1.0, "batch_size": 8, "seed": 0}
+    return TransformersEngine(model, processor, **{**settings, **kw})
+
+
+def test_turn_markup_is_learnt_from_the_chat_template(tiny):
+    markup = learn_turn_markup(tiny[1])
+    assert markup.close_assistant == "<|im_end|>\n"
+    assert markup.user_prefix == "<|im_start|>user\n"
+    assert markup.user_suffix == "<|im_end|>\n<|im_start|>assistant\n"
+    assert markup.image == "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def test_token_trace_marks_exactly_the_generated_tokens(tiny, task_dir):
+    eng = engine(tiny)
+    trajectories = run_rollouts(tasks(3), eng, PROTOCOL, task_dir, max_new_tokens=24)
+    tokenizer = tiny[1].tokenizer
+    for t in trajectories:
+        trace = t.trace
+        assert len(trace.input_ids) == len(trace.generated) == len(trace.logprobs)
+        assert trace.generated[: t.prompt_tokens] == [0] * t.prompt_tokens
+        # The generated tokens, taken turn by turn, decode to the assistant texts of the record.
+        runs, current = [], []
+        for token, flag in zip(trace.input_ids, trace.generated):
+            if flag:
+                current.append(token)
+            elif current:
+                runs.append(current)
+                current = []
+        if current:
+            runs.append(current)
+        assistant = [turn.text for turn in t.turns if turn.role == "assistant"]
+        assert [tokenizer.decode(r, skip_special_tokens=True) for r in runs] == assistant
+        assert sum(trace.generated) == t.generated_tokens
+        generated_logprobs = [lp for lp, flag in zip(trace.logprobs, trace.generated) if flag]
+        assert all(lp <= 0.0 for lp in generated_logprobs) and any(lp < 0.0 for lp in generated_logprobs)
+        # Every image's placeholder run matches the patches the processor made for it.
+        image_pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        assert trace.input_ids.count(image_pad) > 0
+
+
+def test_logprobs_match_a_fresh_forward_pass(tiny, task_dir):
+    """The sampling log-probs recorded during generation are the model's own (what RL's ratio starts from)."""
+    model, processor = tiny
+    eng = engine(tiny, temperature=1.0)
+    [t] = run_rollouts(tasks(1), eng, PROTOCOL, task_dir, max_new_tokens=16)
+    trace = t.trace
+    ids = torch.tensor([trace.input_ids])
+    with torch.no_grad():
+        logits = model(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            pixel_values=torch.cat(trace.extras["pixel_values"]),
+            image_grid_thw=torch.cat(trace.extras["image_grid_thw"]),
+        ).logits[0]
+    logprobs = logits[:-1].float().log_softmax(-1).gather(1, ids[0, 1:, None]).squeeze(1)
+    flags = torch.tensor(trace.generated[1:], dtype=torch.bool)
+    recorded = torch.tensor(trace.logprobs[1:])[flags]
+    assert torch.allclose(logprobs[flags], recorded, atol=1e-3)
+
+
+def test_same_seed_same_trajectories(tiny, task_dir):
+    first = run_rollouts(tasks(4), engine(tiny, seed=7), PROTOCOL, task_dir, max_new_tokens=24)
+    second = run_rollouts(tasks(4), engine(tiny, seed=7), PROTOCOL, task_dir, max_new_tokens=24)
+    assert [t.trace.input_ids for t in first] == [t.trace.input_ids for t in second]
+    third = run_rollouts(tasks(4), engine(tiny, seed=8), PROTOCOL, task_dir, max_new_tokens=24)
+    assert [t.trace.input_ids for t in first] != [t.trace.input_ids for t in third]
+
+
+def test_batched_greedy_equals_one_at_a_time(tiny, task_dir):
+    """Left padding and concatenated images must not change what each row generates."""
+    batched = run_rollouts(tasks(4), engine(tiny, temperature=0.0, batch_size=4), PROTOCOL, task_dir, max_new_tokens=16)
+    single = run_rollouts(tasks(4), engine(tiny, temperature=0.0, batch_size=1), PROTOCOL, task_dir, max_new_tokens=16)
+    assert [t.trace.input_ids for t in batched] == [t.trace.input_ids for t in single]
+
+
+def test_observation_turn_appends_tokens_and_pixels(tiny, task_dir):
+    eng = engine(tiny)
+    model, processor = tiny
+    image = Image.new("RGB", (112, 112), (255, 0, 0))
+    state = eng.begin("sys", "<image>\nQ?", [image])
+    before = eng.context_length(state)
+    eng.add_user_turn(state, "Observation 1: <image>.", [image])
+    added = state.trace.input_ids[before:]
+    text = processor.tokenizer.decode(added)
+    assert text.startswith("<|im_end|>\n<|im_start|>user\nObservation 1: <|vision_start|>")
+    assert text.endswith("<|im_end|>\n<|im_start|>assistant\n")
+    assert len(state.pixel_values) == 2 and sum(state.trace.generated) == 0
