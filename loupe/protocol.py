@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -98,7 +98,7 @@ class _Invalid(Exception):
 
 _THINK = re.compile(r"<think>(.*?)</think>", re.S)
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
-_OBSERVATION_SOURCE = re.compile(r"observation_(\d+)")
+_OBSERVATION_SOURCE = re.compile(r"observation_(\d{1,9})", re.ASCII)  # bounded: int() refuses 4,300+ digits
 
 
 def extract_answer(text: str) -> str | None:
@@ -290,9 +290,11 @@ class MiniO3Protocol(Protocol):
         match = _OBSERVATION_SOURCE.fullmatch(source)
         if source != ORIGINAL_IMAGE and not (match and int(match.group(1)) <= num_observations):
             known = [ORIGINAL_IMAGE] + [f"observation_{i}" for i in range(num_observations + 1)]
-            raise _Invalid(FormatErrorKind.UNKNOWN_SOURCE, f"unknown source {source!r}; known: {', '.join(known)}")
-        if source == "observation_0":
-            source = ORIGINAL_IMAGE
+            shown = source if len(source) <= 40 else source[:40] + "..."
+            raise _Invalid(FormatErrorKind.UNKNOWN_SOURCE, f"unknown source {shown!r}; known: {', '.join(known)}")
+        if match:  # one name per image: observation_01 is observation_1, observation_0 the original
+            number = int(match.group(1))
+            source = f"observation_{number}" if number else ORIGINAL_IMAGE
         call = ToolCall("crop", {"bbox_2d": list(box), "source": source, "frame": "relative"})
         return Action(think=extract_think(before), call=call)
 
@@ -414,6 +416,11 @@ def to_sharegpt(trajectory: "Trajectory") -> dict[str, Any]:
     conversations = [{"from": "system", "value": trajectory.system}]
     images: list[str] = []
     for turn in trajectory.turns:
+        if turn.text.count(IMAGE_PLACEHOLDER) != len(turn.images):
+            raise ValueError(
+                f"trajectory {trajectory.traj_id}: a {turn.role} turn holds {turn.text.count(IMAGE_PLACEHOLDER)} "
+                f"image placeholders but {len(turn.images)} images"
+            )
         conversations.append({"from": roles[turn.role], "value": turn.text})
         images += [str(trajectory.image_path(i)) for i in turn.images]
     return {"conversations": conversations, "images": images}

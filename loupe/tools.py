@@ -25,6 +25,10 @@ from typing import Any, Callable
 
 from PIL import Image
 
+# open_image enforces its own, configurable pixel limit before decoding; PIL's fixed global limit would
+# otherwise refuse large images first (and warn on 8K benchmark images) whatever max_decode_pixels says.
+Image.MAX_IMAGE_PIXELS = None
+
 from loupe.protocol import ORIGINAL_IMAGE, ToolCall
 
 IMAGE_FACTOR = 28
@@ -63,8 +67,9 @@ def smart_resize(height: int, width: int, budget: PixelBudget, factor: int = IMA
     """
     if height <= 0 or width <= 0:
         raise ValueError(f"image sides must be positive, got {height}x{width}")
-    h_bar = max(factor, round(height / factor) * factor)
-    w_bar = max(factor, round(width / factor) * factor)
+    # A side under factor/2 rounds to 0 here; the area is then under min_pixels and the branch below grows it.
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
     if h_bar * w_bar > budget.max_pixels:
         beta = math.sqrt(height * width / budget.max_pixels)
         h_bar = max(factor, math.floor(height / beta / factor) * factor)
@@ -155,7 +160,7 @@ class ImageSession:
                     return None
                 self.original = open_image(self.original_path, self.image_root, self.max_decode_pixels)
             return self.original
-        match = re.fullmatch(r"observation_(\d+)", source)
+        match = re.fullmatch(r"observation_(\d{1,9})", source, re.ASCII)  # bounded: int() refuses 4,300+ digits
         if match and 1 <= int(match.group(1)) <= len(self.observations):
             return self.observations[int(match.group(1)) - 1]
         return None
@@ -168,9 +173,13 @@ class ImageSession:
 def _as_box(value: Any) -> tuple[float, float, float, float] | None:
     if not isinstance(value, (list, tuple)) or len(value) != 4:
         return None
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value):
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
         return None
-    return tuple(float(v) for v in value)  # type: ignore[return-value]
+    try:
+        box = tuple(float(v) for v in value)
+    except OverflowError:  # an int too large for a float
+        return None
+    return box if all(math.isfinite(v) for v in box) else None  # type: ignore[return-value]
 
 
 def crop(session: ImageSession, arguments: dict[str, Any], budget: PixelBudget) -> CropResult | ToolError:

@@ -14,8 +14,10 @@ they are not written to JSONL.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
+import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterable
@@ -153,7 +155,21 @@ def save_pending_images(trajectory: Trajectory, out_dir: Path) -> None:
 
 
 def _safe_name(traj_id: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in traj_id)
+    """A folder name for a trajectory's crops: readable, and distinct for distinct ids (a short hash)."""
+    readable = "".join(c if c.isalnum() or c in "-_" else "_" for c in traj_id)[:80]
+    return f"{readable}-{hashlib.sha1(traj_id.encode('utf-8')).hexdigest()[:8]}"
+
+
+def _rebase_images(trajectory: Trajectory, out_dir: Path) -> None:
+    """Make relative image paths relative to `out_dir`, for a trajectory read from or written to another folder."""
+    base = trajectory.base_dir
+    if base is None or Path(base).resolve() == Path(out_dir).resolve():
+        return
+    for index, image in enumerate(trajectory.images):
+        if index in trajectory.pending or not image or Path(image).is_absolute():
+            continue
+        trajectory.images[index] = os.path.relpath(Path(base).resolve() / image, Path(out_dir).resolve())
+    trajectory.base_dir = out_dir
 
 
 def write_trajectories(trajectories: Iterable[Trajectory], path: str | Path) -> Path:
@@ -161,6 +177,7 @@ def write_trajectories(trajectories: Iterable[Trajectory], path: str | Path) -> 
     path = Path(path)
     lines = []
     for trajectory in trajectories:
+        _rebase_images(trajectory, path.parent)
         save_pending_images(trajectory, path.parent)
         lines.append(json.dumps(trajectory.to_json(), ensure_ascii=False))
     atomic_write_text(path, "".join(line + "\n" for line in lines))

@@ -98,6 +98,7 @@ class TokenContextEngine(Engine):
         end_ids = {self.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
         end_ids.add(self.tokenizer.eos_token_id)
         self.end_ids = sorted(i for i in end_ids if isinstance(i, int) and i >= 0 and i != self.tokenizer.unk_token_id)
+        self._last_prompt: tuple | None = None
 
     # --- building the context -------------------------------------------------------------------------------
 
@@ -108,13 +109,18 @@ class TokenContextEngine(Engine):
         return self.tokenizer(text, add_special_tokens=False)["input_ids"], None, None
 
     def begin(self, system: str, question: str, images: list[Image.Image]) -> _State:
-        messages = [
-            {"role": "system", "content": [{"type": "text", "text": system}]},
-            {"role": "user", "content": split_on_images(question, images)},
-        ]
-        prompt = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        ids, pixels, grid = self._encode(prompt, images)
-        state = _State(TokenTrace(images=list(images)))
+        # The K samples of a task start from the same prompt: encode it once (the processor call is the
+        # costly part of a small model's first turn), then give each sample its own copy.
+        key = (system, question, tuple(id(image) for image in images))
+        if self._last_prompt is None or self._last_prompt[0] != key:
+            messages = [
+                {"role": "system", "content": [{"type": "text", "text": system}]},
+                {"role": "user", "content": split_on_images(question, images)},
+            ]
+            prompt = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            self._last_prompt = (key, self._encode(prompt, images), list(images))
+        _, (ids, pixels, grid), kept_images = self._last_prompt
+        state = _State(TokenTrace(images=list(kept_images)))
         state.trace.append(ids, generated=False)
         if pixels is not None:
             state.pixel_values.append(pixels)

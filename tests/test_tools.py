@@ -1,0 +1,665 @@
+"""The tools: Qwen's resize rule, the crop tool, image decoding and its guards, and the tool registry."""
+
+from __future__ import annotations
+
+import io
+import random
+import struct
+import zlib
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from PIL import Image
+
+import loupe.tools as tools
+from loupe.protocol import ORIGINAL_IMAGE, ToolCall, get_protocol
+from loupe.tools import (
+    IMAGE_FACTOR,
+    MAX_ASPECT_RATIO,
+    TOOLS,
+    CropResult,
+    ImageError,
+    ImageSession,
+    PixelBudget,
+    Tool,
+    ToolError,
+    ToolErrorKind,
+    crop,
+    open_image,
+    register_tool,
+    run_tool,
+    smart_resize,
+)
+
+FUZZ = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                         HealthCheck.function_scoped_fixture])
+RED, WHITE, BLUE = (255, 0, 0), (255, 255, 255), (0, 0, 255)
+NO_RESIZE = PixelBudget(min_pixels=IMAGE_FACTOR * IMAGE_FACTOR, max_pixels=4_000_000)
+"""A budget under which a crop whose sides are multiples of 28 comes back pixel for pixel."""
+
+
+def noise_image(width: int, height: int, seed: int = 0) -> Image.Image:
+    rng = random.Random(seed)
+    return Image.frombytes("RGB", (width, height), rng.randbytes(width * height * 3))
+
+
+def encoded(image: Image.Image, fmt: str, **options) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt, **options)
+    return buffer.getvalue()
+
+
+def near(colour: tuple[int, ...], expected: tuple[int, int, int], tolerance: int = 3) -> bool:
+    return all(abs(a - b) <= tolerance for a, b in zip(colour[:3], expected, strict=True))
+
+
+def png_declaring(width: int, height: int) -> bytes:
+    """A tiny PNG whose header declares a huge 1-bit image (its pixel data is a few bytes)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    header = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+
+
+# --- smart_resize ------------------------------------------------------------------------------------------
+
+try:  # transformers 5.x keeps the rule beside the Qwen2-VL image processor
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize as hf_smart_resize
+except ImportError:  # pragma: no cover - an environment without transformers
+    hf_smart_resize = None
+
+needs_transformers = pytest.mark.skipif(hf_smart_resize is None, reason="transformers is not installed")
+
+
+@st.composite
+def sides_within_aspect(draw, largest: int = 30_000):
+    short = draw(st.one_of(st.integers(1, 60), st.integers(1, largest)))  # thin images are where rules differ
+    long_ = draw(st.integers(short, min(largest, short * MAX_ASPECT_RATIO)))
+    return (short, long_) if draw(st.booleans()) else (long_, short)
+
+
+@st.composite
+def budgets(draw):
+    min_pixels = draw(st.integers(IMAGE_FACTOR * IMAGE_FACTOR, 1_000_000))
+    max_pixels = draw(st.integers(max(min_pixels, IMAGE_FACTOR * IMAGE_FACTOR), 20_000_000))
+    return PixelBudget(min_pixels, max_pixels)
+
+
+@needs_transformers
+@FUZZ
+@given(sides=sides_within_aspect(), budget=budgets())
+def test_smart_resize_equals_transformers_for_random_sizes_and_budgets(sides, budget):
+    height, width = sides
+    expected = hf_smart_resize(height, width, IMAGE_FACTOR, budget.min_pixels, budget.max_pixels)
+    assert smart_resize(height, width, budget) == tuple(expected)
+
+
+@needs_transformers
+@pytest.mark.parametrize(
+    "height, width",
+    [(1, 1), (1, 200), (200, 1), (13, 2600), (14, 2800), (27, 27), (28, 28), (5000, 25), (3024, 4032),
+     (8000, 8000), (4320, 7680), (100, 100), (57, 33)],
+)
+@pytest.mark.parametrize("budget", [PixelBudget(), PixelBudget(56 * 56, 28 * 28 * 1280), PixelBudget(256 * 784, 1280 * 784)])
+def test_smart_resize_equals_transformers_on_edge_sizes(height, width, budget):
+    expected = hf_smart_resize(height, width, IMAGE_FACTOR, budget.min_pixels, budget.max_pixels)
+    assert smart_resize(height, width, budget) == tuple(expected)
+
+
+@FUZZ
+@given(sides=sides_within_aspect())
+def test_smart_resize_fits_the_default_budget_in_multiples_of_28(sides):
+    budget = PixelBudget()
+    new_h, new_w = smart_resize(*sides, budget)
+    assert new_h % IMAGE_FACTOR == 0 and new_w % IMAGE_FACTOR == 0
+    assert new_h >= IMAGE_FACTOR and new_w >= IMAGE_FACTOR
+    assert budget.min_pixels <= new_h * new_w <= budget.max_pixels
+
+
+@FUZZ
+@given(sides=sides_within_aspect(), budget=budgets())
+def test_smart_resize_leaves_the_budget_only_when_the_short_side_is_pinned(sides, budget):
+    assume(budget.max_pixels >= 4 * budget.min_pixels)
+    new_h, new_w = smart_resize(*sides, budget)
+    assert new_h % IMAGE_FACTOR == 0 and new_w % IMAGE_FACTOR == 0
+    assert new_h * new_w >= budget.min_pixels
+    assert new_h * new_w <= budget.max_pixels or min(new_h, new_w) == IMAGE_FACTOR
+
+
+def test_smart_resize_keeps_a_size_already_on_the_grid_and_in_budget():
+    assert smart_resize(224, 280, PixelBudget()) == (224, 280)
+
+
+@pytest.mark.parametrize("height, width", [(0, 10), (10, 0), (-5, 10)])
+def test_smart_resize_refuses_empty_sides(height, width):
+    with pytest.raises(ValueError, match="positive"):
+        smart_resize(height, width, PixelBudget())
+
+
+@pytest.mark.parametrize("low, high", [(0, 100_000), (50_000, 40_000), (100, 500)])
+def test_pixel_budget_refuses_impossible_bounds(low, high):
+    with pytest.raises(ValueError):
+        PixelBudget(low, high)
+
+
+# --- crop -----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def noise() -> Image.Image:
+    return noise_image(1120, 896)
+
+
+@pytest.fixture
+def square_image() -> Image.Image:
+    """White 1000x800 with a red square at x 200..300, y 100..200 and a blue one at x 600..700, y 500..600."""
+    image = Image.new("RGB", (1000, 800), WHITE)
+    image.paste(RED, (200, 100, 300, 200))
+    image.paste(BLUE, (600, 500, 700, 600))
+    return image
+
+
+def test_relative_crop_is_exactly_that_region_of_the_original(noise):
+    result = crop(ImageSession(original=noise), {"bbox_2d": [0.25, 0.25, 0.5, 0.5], "frame": "relative"}, NO_RESIZE)
+    assert isinstance(result, CropResult)
+    assert result.box_px == (280, 224, 560, 448)
+    assert result.source == ORIGINAL_IMAGE
+    assert result.image.size == (280, 224)
+    assert result.image.tobytes() == noise.crop((280, 224, 560, 448)).tobytes()
+
+
+def test_absolute_crop_is_exactly_that_region_of_the_original(noise):
+    result = crop(ImageSession(original=noise), {"bbox_2d": [280, 224, 560, 448], "frame": "absolute"}, NO_RESIZE)
+    assert result.box_px == (280, 224, 560, 448)
+    assert result.image.tobytes() == noise.crop((280, 224, 560, 448)).tobytes()
+
+
+def test_crop_without_a_frame_reads_the_box_as_relative(noise):
+    result = crop(ImageSession(original=noise), {"bbox_2d": [0.25, 0.25, 0.5, 0.5]}, NO_RESIZE)
+    assert result.box_px == (280, 224, 560, 448)
+
+
+def test_crop_of_a_coloured_square_shows_that_square(square_image):
+    session = ImageSession(original=square_image)
+    red = crop(session, {"bbox_2d": [0.2, 0.125, 0.3, 0.25], "frame": "relative"}, PixelBudget())
+    assert red.box_px == (200, 100, 300, 200)
+    assert red.image.size == (224, 224)  # 100x100 is under 40,000 pixels: scaled up into the budget
+    assert all(near(c, RED) for _, c in red.image.getcolors(1 << 16))
+    blue = crop(session, {"bbox_2d": [600, 500, 700, 600], "frame": "absolute"}, PixelBudget())
+    assert all(near(c, BLUE) for _, c in blue.image.getcolors(1 << 16))
+
+
+def test_crop_around_a_square_keeps_its_position(square_image):
+    result = crop(ImageSession(original=square_image), {"bbox_2d": [100, 50, 400, 250], "frame": "absolute"}, PixelBudget())
+    w, h = result.image.size
+    assert near(result.image.getpixel((w // 2, h // 2)), RED)
+    assert near(result.image.getpixel((w // 12, h // 2)), WHITE)
+    assert near(result.image.getpixel((w - 1 - w // 12, h // 2)), WHITE)
+    assert near(result.image.getpixel((w // 2, h // 10)), WHITE)
+
+
+@pytest.mark.parametrize(
+    "box, frame, expected",
+    [
+        ([-100, -50, 280, 224], "absolute", (0, 0, 280, 224)),
+        ([840, 672, 5000, 5000], "absolute", (840, 672, 1120, 896)),
+        ([0.75, 0.75, 1.3, 2.0], "relative", (840, 672, 1120, 896)),
+        ([-0.5, -1.0, 0.25, 0.25], "relative", (0, 0, 280, 224)),
+    ],
+)
+def test_crop_clamps_boxes_partly_outside_the_image(noise, box, frame, expected):
+    result = crop(ImageSession(original=noise), {"bbox_2d": box, "frame": frame}, NO_RESIZE)
+    assert isinstance(result, CropResult)
+    assert result.box_px == expected
+    assert result.image.tobytes() == noise.crop(expected).tobytes()
+
+
+def test_crop_rounds_a_fractional_box_outwards(noise):
+    result = crop(ImageSession(original=noise), {"bbox_2d": [10.5, 20.2, 40.1, 50.9], "frame": "absolute"}, NO_RESIZE)
+    assert result.box_px == (10, 20, 41, 51)
+
+
+def test_crop_of_an_observation_crops_that_observation(noise):
+    session = ImageSession(original=noise)
+    first = crop(session, {"bbox_2d": [0.25, 0.25, 0.5, 0.5], "frame": "relative"}, NO_RESIZE)
+    assert session.add_observation(first.image) == "observation_1"
+    second = crop(session, {"bbox_2d": [0.0, 0.0, 0.5, 0.5], "source": "observation_1", "frame": "relative"},
+                  PixelBudget())
+    assert isinstance(second, CropResult)
+    assert second.source == "observation_1"
+    assert second.box_px == (0, 0, 140, 112)  # on the observation, not on the original
+    new_h, new_w = smart_resize(112, 140, PixelBudget())
+    expected = noise.crop((280, 224, 420, 336)).resize((new_w, new_h), Image.Resampling.BICUBIC)
+    assert second.image.tobytes() == expected.tobytes()
+
+
+def test_observation_0_names_the_original(noise):
+    result = crop(ImageSession(original=noise), {"bbox_2d": [0.25, 0.25, 0.5, 0.5], "source": "observation_0"}, NO_RESIZE)
+    assert result.source == ORIGINAL_IMAGE
+    assert result.image.tobytes() == noise.crop((280, 224, 560, 448)).tobytes()
+
+
+def test_large_crop_is_scaled_down_into_the_budget(noise):
+    budget = PixelBudget(min_pixels=10_000, max_pixels=200_000)
+    result = crop(ImageSession(original=noise), {"bbox_2d": [0, 0, 1, 1]}, budget)
+    w, h = result.image.size
+    assert result.box_px == (0, 0, 1120, 896)
+    assert w * h <= budget.max_pixels and w % IMAGE_FACTOR == 0 and h % IMAGE_FACTOR == 0
+    assert abs(w / h - 1120 / 896) < 0.1
+
+
+@pytest.mark.parametrize(
+    "source",
+    ["observation_1", "observation_2", "foo", "", 3, None, ["original_image"], "observation_\u0661",
+     "observation_" + "1" * 5000],
+)
+def test_crop_of_an_unknown_source_is_a_tool_error(noise, source):
+    session = ImageSession(original=noise)
+    if source != "observation_1":
+        session.add_observation(noise_image(56, 56))
+    else:
+        assert session.observations == []
+    result = crop(session, {"bbox_2d": [0.1, 0.1, 0.5, 0.5], "source": source}, PixelBudget())
+    assert isinstance(result, ToolError)
+    assert result.kind == ToolErrorKind.UNKNOWN_SOURCE
+    assert repr(source) in result.detail
+
+
+def test_crop_without_any_original_is_an_unknown_source():
+    result = crop(ImageSession(), {"bbox_2d": [0.1, 0.1, 0.5, 0.5]}, PixelBudget())
+    assert isinstance(result, ToolError) and result.kind == ToolErrorKind.UNKNOWN_SOURCE
+
+
+@pytest.mark.parametrize(
+    "box, frame, words",
+    [
+        ([1.2, 0.1, 1.5, 0.5], "relative", "no pixels"),  # wholly right of the image
+        ([-50, -50, -10, -10], "absolute", "no pixels"),  # wholly above-left
+        ([10, 10, 10, 20], "absolute", "no pixels"),  # zero width
+        ([0.3, 0.3, 0.2, 0.4], "relative", "no pixels"),  # x1 < x0
+        ([0, 0, 1000, 4], "absolute", "more elongated than 200"),  # 250:1
+        ([0, 0, 1, 0.004], "relative", "more elongated than 200"),  # 1120 x 4 px
+    ],
+)
+def test_degenerate_boxes_are_refused(noise, box, frame, words):
+    result = crop(ImageSession(original=noise), {"bbox_2d": box, "frame": frame}, PixelBudget())
+    assert isinstance(result, ToolError)
+    assert result.kind == ToolErrorKind.DEGENERATE_BOX
+    assert words in result.detail
+
+
+def test_a_box_of_aspect_exactly_200_is_allowed_and_fits_the_budget(noise):
+    result = crop(ImageSession(original=noise), {"bbox_2d": [0, 0, 1000, 5], "frame": "absolute"}, PixelBudget())
+    assert isinstance(result, CropResult)
+    w, h = result.image.size
+    assert 40_000 <= w * h <= 2_000_000 and w % 28 == 0 and h % 28 == 0
+
+
+@pytest.mark.parametrize(
+    "box, expected",
+    [
+        ([0, 0, 1e308, 1e308], (0, 0, 1120, 896)),  # times the side: overflows to infinity
+        ([-1e308, -1e308, 0.25, 0.25], (0, 0, 280, 224)),
+        ([0.25, 0.25, 1e300, 0.5], (280, 224, 1120, 448)),
+    ],
+)
+def test_huge_relative_coordinates_are_clamped_not_overflowing(noise, box, expected):
+    result = crop(ImageSession(original=noise), {"bbox_2d": box, "frame": "relative"}, PixelBudget())
+    assert isinstance(result, CropResult)
+    assert result.box_px == expected
+
+
+@pytest.mark.parametrize("frame", ["relative", "absolute"])
+def test_an_integer_too_large_for_a_float_is_bad_arguments(noise, frame):
+    result = crop(ImageSession(original=noise), {"bbox_2d": [0, 0, 10**400, 1], "frame": frame}, PixelBudget())
+    assert isinstance(result, ToolError) and result.kind == ToolErrorKind.BAD_ARGUMENTS
+
+
+def test_a_sub_pixel_box_still_covers_one_pixel(noise):
+    result = crop(ImageSession(original=noise), {"bbox_2d": [10.2, 10, 10.4, 20], "frame": "absolute"}, PixelBudget())
+    assert isinstance(result, CropResult) and result.box_px == (10, 10, 11, 20)
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        {},
+        {"bbox_2d": "0.1, 0.1, 0.5, 0.5"},
+        {"bbox_2d": [0.1, 0.1, 0.5]},
+        {"bbox_2d": [0.1, 0.1, 0.5, 0.5, 0.6]},
+        {"bbox_2d": [0.1, float("nan"), 0.5, 0.5]},
+        {"bbox_2d": [0.1, 0.1, float("inf"), 0.5]},
+        {"bbox_2d": [False, False, True, True]},
+        {"bbox_2d": ["0.1", "0.1", "0.5", "0.5"]},
+        {"bbox_2d": [0.1, 0.1, 0.5, 0.5], "frame": "pixels"},
+        {"bbox_2d": [0.1, 0.1, 0.5, 0.5], "frame": None},
+    ],
+)
+def test_malformed_crop_arguments_are_bad_arguments(noise, arguments):
+    result = crop(ImageSession(original=noise), arguments, PixelBudget())
+    assert isinstance(result, ToolError)
+    assert result.kind == ToolErrorKind.BAD_ARGUMENTS
+    assert result.detail
+
+
+any_coordinate = st.one_of(
+    st.floats(),  # NaN, infinities, huge, tiny and negative included
+    st.floats(-2.0, 3.0),
+    st.integers(-(10**20), 10**20),
+    st.integers(-5, 400),
+    st.sampled_from([0, 1, 0.5, 1e308, -1e308, 5e-324, 10**400, -(10**400)]),
+)
+
+
+@st.composite
+def ordered_boxes(draw, coordinate):
+    a, b, c, d = (draw(coordinate) for _ in range(4))
+    return [min(a, b), min(c, d), max(a, b), max(c, d)]
+
+
+@st.composite
+def plausible_boxes(draw, corner, side):
+    x0, y0 = draw(corner), draw(corner)
+    return [x0, y0, x0 + draw(side), y0 + draw(side)]
+
+
+any_box = st.one_of(
+    plausible_boxes(st.floats(-0.2, 0.9), st.floats(0.05, 1.0)),  # relative boxes, partly outside the image too
+    plausible_boxes(st.integers(-30, 280), st.integers(4, 400)),  # pixel boxes
+    st.one_of(  # anything at all
+        ordered_boxes(any_coordinate),
+        st.lists(any_coordinate, min_size=4, max_size=4),
+        st.lists(st.one_of(any_coordinate, st.booleans(), st.none(), st.text(max_size=2)), max_size=6),
+        st.none(),
+        st.text(max_size=5),
+    ),
+)
+SMALL_BUDGETS = [PixelBudget(), PixelBudget(28 * 28 * 4, 28 * 28 * 64), PixelBudget(28 * 28, 28 * 28 * 4)]
+
+
+@FUZZ
+@given(
+    box=any_box,
+    frame=st.sampled_from(["relative", "absolute"] * 3 + [None, "pixels", 1]),
+    omit_frame=st.booleans(),
+    source=st.sampled_from([ORIGINAL_IMAGE, ORIGINAL_IMAGE, "observation_0", "observation_1", "observation_1",
+                            "observation_2", "x", None, "observation_" + "1" * 5000]),
+    budget=st.sampled_from(SMALL_BUDGETS),
+)
+def test_crop_of_any_box_is_a_result_in_budget_or_a_tool_error(box, frame, omit_frame, source, budget):
+    session = ImageSession(original=noise_image(300, 200))
+    session.add_observation(noise_image(90, 60, seed=1))
+    arguments = {"bbox_2d": box, "source": source}
+    if not omit_frame:
+        arguments["frame"] = frame
+    result = crop(session, arguments, budget)
+    assert isinstance(result, (CropResult, ToolError))
+    if isinstance(result, ToolError):
+        assert isinstance(result.kind, ToolErrorKind) and result.detail
+        return
+    w, h = result.image.size
+    assert w % IMAGE_FACTOR == 0 and h % IMAGE_FACTOR == 0
+    assert budget.min_pixels <= w * h <= budget.max_pixels
+    left, top, right, bottom = result.box_px
+    source_w, source_h = session.get(result.source).size
+    assert 0 <= left < right <= source_w and 0 <= top < bottom <= source_h
+    assert max(right - left, bottom - top) <= MAX_ASPECT_RATIO * min(right - left, bottom - top)
+
+
+# --- ImageSession -----------------------------------------------------------------------------------------
+
+
+def test_image_session_decodes_the_original_once_across_crops(tmp_path, monkeypatch):
+    path = tmp_path / "big.png"
+    noise_image(560, 448).save(path)
+    decodes = []
+    real_open_image = tools.open_image
+
+    def counting_open_image(*args, **kwargs):
+        decodes.append(args[0])
+        return real_open_image(*args, **kwargs)
+
+    monkeypatch.setattr(tools, "open_image", counting_open_image)
+    session = ImageSession(original_path=path)
+    assert decodes == []  # lazily: nothing decoded before the first crop
+    for box in ([0, 0, 0.5, 0.5], [0.5, 0.5, 1, 1], [0.1, 0.2, 0.3, 0.4]):
+        assert isinstance(crop(session, {"bbox_2d": box}, PixelBudget()), CropResult)
+    session.add_observation(noise_image(56, 56))
+    assert isinstance(crop(session, {"bbox_2d": [0, 0, 1, 1], "source": "observation_0"}, PixelBudget()), CropResult)
+    assert decodes == [path]
+
+
+def test_image_session_given_a_decoded_original_never_opens_a_file(monkeypatch, noise):
+    def no_decoding(*args, **kwargs):
+        raise AssertionError("the original was decoded again")
+
+    monkeypatch.setattr(tools, "open_image", no_decoding)
+    monkeypatch.setattr(Image, "open", no_decoding)
+    session = ImageSession(original_path=Path("/nonexistent.png"), original=noise)
+    assert isinstance(crop(session, {"bbox_2d": [0, 0, 0.5, 0.5]}, PixelBudget()), CropResult)
+
+
+def test_a_missing_original_file_is_the_datas_fault_and_raises(tmp_path):
+    session = ImageSession(original_path=tmp_path / "gone.png")
+    call = ToolCall("crop", {"bbox_2d": [0, 0, 1, 1], "source": ORIGINAL_IMAGE})
+    with pytest.raises(ImageError, match="gone.png"):
+        run_tool(call, session, PixelBudget())
+
+
+# --- open_image ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["RGB", "RGBA", "L", "P", "1"])
+def test_open_image_decodes_any_mode_to_rgb(tmp_path, mode):
+    path = tmp_path / f"image_{mode}.png"
+    noise_image(40, 30).convert(mode).save(path)
+    image = open_image(path)
+    assert image.mode == "RGB" and image.size == (40, 30)
+
+
+def test_open_image_reads_the_pixels_of_the_file(tmp_path):
+    source = noise_image(40, 30)
+    source.save(tmp_path / "a.png")
+    assert open_image(tmp_path / "a.png").tobytes() == source.tobytes()
+
+
+def test_open_image_of_a_missing_file_names_it(tmp_path):
+    with pytest.raises(ImageError, match="missing.png.*not found"):
+        open_image(tmp_path / "missing.png")
+
+
+def test_open_image_of_a_folder_is_not_a_file(tmp_path):
+    (tmp_path / "folder.png").mkdir()
+    with pytest.raises(ImageError, match="folder.png"):
+        open_image(tmp_path / "folder.png")
+
+
+@pytest.mark.parametrize("content", [b"", b"not an image at all", b"\x89PNG\r\n\x1a\n" + b"\0" * 40, b"\xff\xd8\xff" + b"junk" * 10])
+def test_open_image_of_corrupt_bytes_names_the_file(tmp_path, content):
+    path = tmp_path / "corrupt.png"
+    path.write_bytes(content)
+    with pytest.raises(ImageError, match="corrupt.png"):
+        open_image(path)
+
+
+@pytest.mark.parametrize("fmt, suffix", [("PNG", "png"), ("JPEG", "jpg")])
+def test_open_image_of_a_truncated_file_names_the_file(tmp_path, fmt, suffix):
+    data = encoded(noise_image(128, 96), fmt)
+    path = tmp_path / f"truncated.{suffix}"
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ImageError, match=f"truncated.{suffix}"):
+        open_image(path)
+
+
+@pytest.fixture(scope="module")
+def encoded_samples() -> dict[str, bytes]:
+    return {
+        "png": encoded(noise_image(48, 32), "PNG"),
+        "jpg": encoded(noise_image(48, 32), "JPEG", quality=90),
+        "palette.png": encoded(noise_image(48, 32).convert("P"), "PNG", optimize=False),
+        "progressive.jpg": encoded(noise_image(48, 32), "JPEG", progressive=True),
+    }
+
+
+@FUZZ
+@given(kind=st.sampled_from(["png", "jpg", "palette.png", "progressive.jpg"]), cut=st.floats(0.0, 1.0),
+       flip=st.one_of(st.none(), st.integers(0, 10_000)))
+def test_open_image_of_any_cut_or_damaged_file_decodes_or_raises_image_error(tmp_path, encoded_samples, kind, cut, flip):
+    data = bytearray(encoded_samples[kind])
+    data = data[: int(len(data) * cut)]
+    if flip is not None and data:
+        data[flip % len(data)] ^= 0xFF
+    path = tmp_path / f"damaged.{kind}"
+    path.write_bytes(bytes(data))
+    try:
+        image = open_image(path)
+    except ImageError as err:
+        assert "damaged" in str(err)
+    else:
+        assert image.mode == "RGB" and image.width > 0 and image.height > 0
+
+
+def test_open_image_refuses_a_decompression_bomb_before_decoding(tmp_path):
+    path = tmp_path / "huge.png"
+    path.write_bytes(png_declaring(30_000, 30_000))
+    assert path.stat().st_size < 1_000
+    assert struct.unpack(">II", path.read_bytes()[16:24]) == (30_000, 30_000)  # what the IHDR declares
+    with pytest.raises(ImageError, match=r"huge.png.*decompression bomb"):
+        open_image(path)
+
+
+def test_open_image_refuses_an_image_over_its_pixel_limit(tmp_path):
+    path = tmp_path / "large.png"
+    noise_image(200, 100).save(path)
+    with pytest.raises(ImageError, match=r"large.png.*200x100.*over the limit"):
+        open_image(path, max_pixels=19_999)
+    assert open_image(path, max_pixels=20_000).size == (200, 100)
+
+
+@pytest.fixture
+def image_root(tmp_path) -> Path:
+    root = tmp_path / "root"
+    (root / "sub").mkdir(parents=True)
+    noise_image(20, 10).save(root / "sub" / "inside.png")
+    noise_image(20, 10).save(tmp_path / "outside.png")
+    return root
+
+
+def test_open_image_inside_the_root_works(image_root):
+    assert open_image("sub/inside.png", root=image_root).size == (20, 10)
+    assert open_image(image_root / "sub" / "inside.png", root=image_root).size == (20, 10)
+    (image_root / "link.png").symlink_to(image_root / "sub" / "inside.png")
+    assert open_image("link.png", root=image_root).size == (20, 10)
+
+
+@pytest.mark.parametrize("name", ["../outside.png", "sub/../../outside.png"])
+def test_open_image_refuses_a_relative_path_escaping_the_root(image_root, name):
+    with pytest.raises(ImageError, match="outside.png.*escapes"):
+        open_image(name, root=image_root)
+
+
+def test_open_image_refuses_an_absolute_path_outside_the_root(image_root):
+    with pytest.raises(ImageError, match="outside.png.*escapes"):
+        open_image(image_root.parent / "outside.png", root=image_root)
+
+
+def test_open_image_refuses_a_symlink_pointing_outside_the_root(image_root):
+    (image_root / "sub" / "sneaky.png").symlink_to(image_root.parent / "outside.png")
+    with pytest.raises(ImageError, match="sneaky.png.*escapes"):
+        open_image("sub/sneaky.png", root=image_root)
+
+
+def test_image_session_honours_its_image_root(image_root):
+    session = ImageSession(original_path=Path("../outside.png"), image_root=image_root)
+    with pytest.raises(ImageError, match="escapes"):
+        crop(session, {"bbox_2d": [0, 0, 1, 1]}, PixelBudget())
+    inside = ImageSession(original_path=Path("sub/inside.png"), image_root=image_root)
+    assert isinstance(crop(inside, {"bbox_2d": [0, 0, 1, 1]}, PixelBudget()), CropResult)
+
+
+# --- the registry and run_tool ------------------------------------------------------------------------------
+
+
+def test_crop_is_registered_with_a_schema():
+    tool = TOOLS["crop"]
+    assert tool.name == "crop" and tool.run is crop
+    assert tool.schema["type"] == "object"
+    assert "bbox_2d" in tool.schema["required"]
+    assert set(tool.schema["properties"]) >= {"bbox_2d", "source", "frame"}
+    assert tool.schema["properties"]["frame"]["enum"] == ["relative", "absolute"]
+
+
+def test_register_tool_refuses_a_duplicate_name():
+    original = TOOLS["crop"]
+    with pytest.raises(ValueError, match="already registered"):
+        register_tool(Tool("crop", {}, lambda session, arguments, budget: ToolError(ToolErrorKind.BAD_ARGUMENTS, "x")))
+    assert TOOLS["crop"] is original
+
+
+def test_run_tool_with_an_unknown_tool_is_a_tool_error(noise):
+    result = run_tool(ToolCall("segment", {"bbox_2d": [0, 0, 1, 1]}), ImageSession(original=noise), PixelBudget())
+    assert isinstance(result, ToolError)
+    assert result.kind == ToolErrorKind.UNKNOWN_TOOL
+    assert "'segment'" in result.detail and "crop" in result.detail
+
+
+def test_run_tool_with_non_object_arguments_is_a_tool_error(noise):
+    result = run_tool(ToolCall("crop", [0, 0, 1, 1]), ImageSession(original=noise), PixelBudget())  # type: ignore[arg-type]
+    assert isinstance(result, ToolError) and result.kind == ToolErrorKind.BAD_ARGUMENTS
+
+
+def test_a_parsed_mini_o3_call_runs_through_run_tool(square_image):
+    action = get_protocol("mini_o3").parse(
+        '<think>red</think><grounding>{"bbox_2d": [0.2, 0.125, 0.3, 0.25], "source": "original_image"}</grounding>'
+    )
+    result = run_tool(action.call, ImageSession(original=square_image), PixelBudget())
+    assert isinstance(result, CropResult) and result.box_px == (200, 100, 300, 200)
+    assert all(near(c, RED) for _, c in result.image.getcolors(1 << 16))
+
+
+def test_a_parsed_deepeyes_call_runs_through_run_tool(square_image):
+    action = get_protocol("deepeyes").parse(
+        '<tool_call>{"name": "image_zoom_in_tool", "arguments": {"bbox_2d": [600, 500, 700, 600]}}</tool_call>'
+    )
+    result = run_tool(action.call, ImageSession(original=square_image), PixelBudget())
+    assert isinstance(result, CropResult) and result.box_px == (600, 500, 700, 600)
+    assert all(near(c, BLUE) for _, c in result.image.getcolors(1 << 16))
+
+
+def rotate(session: ImageSession, arguments: dict, budget: PixelBudget) -> CropResult | ToolError:
+    """A test-only tool: rotate a source by a multiple of 90 degrees."""
+    source = arguments.get("source", ORIGINAL_IMAGE)
+    image = session.get(source)
+    if image is None:
+        return ToolError(ToolErrorKind.UNKNOWN_SOURCE, f"there is no image named {source!r}")
+    if arguments.get("angle") not in (90, 180, 270):
+        return ToolError(ToolErrorKind.BAD_ARGUMENTS, "'angle' must be 90, 180 or 270")
+    turned = image.rotate(arguments["angle"], expand=True)
+    new_h, new_w = smart_resize(turned.height, turned.width, budget)
+    return CropResult(turned.resize((new_w, new_h)), source, (0, 0, image.width, image.height))
+
+
+@pytest.fixture
+def rotate_tool():
+    tool = register_tool(Tool("rotate", {"type": "object", "properties": {"angle": {"enum": [90, 180, 270]}},
+                                         "required": ["angle"]}, rotate))
+    yield tool
+    TOOLS.pop("rotate", None)
+
+
+def test_a_new_tool_registers_and_runs_through_run_tool(rotate_tool, noise):
+    assert TOOLS["rotate"] is rotate_tool
+    session = ImageSession(original=noise)
+    result = run_tool(ToolCall("rotate", {"angle": 90}), session, NO_RESIZE)
+    assert isinstance(result, CropResult)
+    assert result.image.size == (896, 1120)
+    assert result.image.tobytes() == noise.transpose(Image.Transpose.ROTATE_90).tobytes()
+    refused = run_tool(ToolCall("rotate", {"angle": 45}), session, NO_RESIZE)
+    assert isinstance(refused, ToolError) and refused.kind == ToolErrorKind.BAD_ARGUMENTS
+    unknown = run_tool(ToolCall("segment", {}), session, NO_RESIZE)
+    assert "rotate" in unknown.detail  # the error lists every registered tool
+
