@@ -28,6 +28,12 @@ def correct_within(trajectory: Trajectory, turn_limit: int) -> bool:
     )
 
 
+def valid_turn_rate(trajectories: list[Trajectory]) -> float | None:
+    """Share of assistant turns that parse as a tool call or an answer: does the model follow the protocol?"""
+    actions = [turn.action for t in trajectories for turn in t.turns if turn.role == "assistant"]
+    return mean(a in ("call", "answer") for a in actions) if actions else None
+
+
 def _accuracy(trajectories: list[Trajectory], turn_limit: int) -> float | None:
     valid = [t for t in trajectories if is_valid(t)]
     return mean(correct_within(t, turn_limit) for t in valid) if valid else None
@@ -59,6 +65,7 @@ def summarize(trajectories: list[Trajectory], turn_limits: list[int]) -> dict[st
         "accuracy": _accuracy(trajectories, max_turns),
         "by_category": {c: _accuracy(ts, max_turns) for c, ts in sorted(by_category.items())},
         "mean_turns": mean(t.num_turns for t in trajectories) if trajectories else None,
+        "valid_turn_rate": valid_turn_rate(trajectories),
         "mean_tool_calls": mean(t.num_tool_calls for t in trajectories) if trajectories else None,
         "mean_generated_tokens": mean(t.generated_tokens for t in trajectories) if trajectories else None,
         "end_reasons": {r: reasons.get(r, 0) / max(len(trajectories), 1) for r in END_REASONS},

@@ -1,0 +1,116 @@
+"""The eval stage: metrics logic on hand-made trajectories, and `python -m stages.eval` on the tiny model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from loupe.data.synthetic import SyntheticConfig, generate_tasks
+from loupe.trajectory import Trajectory, Turn, read_trajectories
+from stages.eval.__main__ import main as eval_main
+from stages.eval.metrics import correct_within, summarize, valid_turn_rate
+from stages.eval.params import EvalParams
+
+
+def finished(doc_id: str, sample: int, turns: int, end: str, accuracy: float | None, category="c") -> Trajectory:
+    t = Trajectory(traj_id=f"{doc_id}#{sample}", task={"doc_id": doc_id, "solution": "A", "category": category},
+                   protocol="mini_o3", system="s", sample_index=sample, end_reason=end)
+    t.turns.append(Turn("user", "q"))
+    for i in range(turns):
+        t.turns.append(Turn("assistant", "x", action="answer" if i == turns - 1 and end == "answered" else "call"))
+    t.rewards = {"accuracy": accuracy, "valid": accuracy is not None}
+    return t
+
+
+def test_turn_scaling_follows_from_where_each_trajectory_ended():
+    trajectories = [
+        finished("a", 0, 1, "answered", 1.0),
+        finished("a", 1, 3, "answered", 1.0),
+        finished("b", 0, 5, "answered", 1.0),
+        finished("b", 1, 2, "answered", 0.0),
+        finished("c", 0, 8, "over_turn", 0.0),
+        finished("c", 1, 2, "answered", None),  # a judge failure: invalid, left out of every denominator
+    ]
+    summary = summarize(trajectories, [1, 2, 4, 8])
+    assert summary["turn_scaling"] == {"1": 0.2, "2": 0.2, "4": 0.4, "8": 0.6}
+    assert summary["avg@2"] == pytest.approx(0.6) and summary["invalid"] == 1
+    assert summary["pass@2"] == pytest.approx(2 / 3)  # a and b have a right sample; c has none
+    assert summary["end_reasons"]["over_turn"] == pytest.approx(1 / 6)
+    assert not correct_within(trajectories[1], 2) and correct_within(trajectories[1], 3)
+
+
+def test_valid_turn_rate_counts_calls_and_answers():
+    t = finished("a", 0, 3, "answered", 1.0)
+    t.turns[1].action = "error"
+    assert valid_turn_rate([t]) == pytest.approx(2 / 3)
+
+
+def test_turn_limits_double_up_to_the_maximum():
+    assert EvalParams(max_turns=32).turn_limits == [1, 2, 4, 8, 16, 32]
+    assert EvalParams(max_turns=6).turn_limits == [1, 2, 4, 6]
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory, tiny_model_dir) -> Path:
+    root = tmp_path_factory.mktemp("eval")
+    generate_tasks(root / "tasks", SyntheticConfig(seed=3, train=0, val=0, test=3, canvas_side=(1024, 1100)))
+    params = {
+        "seed": 5,
+        "protocol": {"max_turns": 4},
+        "rollout": {"max_new_tokens": 24, "temperature": 1.0},
+        "eval": {"benchmarks": [{"name": "synthetic", "path": str(root / "tasks")}], "samples": 2, "max_turns": 4},
+    }
+    (root / "params.yaml").write_text(yaml.safe_dump(params))
+    return root
+
+
+def run_eval(workspace: Path, model: Path, out: str) -> Path:
+    assert eval_main(["--params", str(workspace / "params.yaml"), "--model", str(model), "--out", str(workspace / out),
+                      "--no-progress"]) == 0
+    return workspace / out
+
+
+def test_eval_writes_every_output_and_repeats_exactly(workspace, tiny_model_dir):
+    out = run_eval(workspace, tiny_model_dir, "first")
+    metrics = json.loads((out / "metrics.json").read_text())
+    synthetic = metrics["benchmarks"]["synthetic"]
+    assert synthetic["questions"] == 3 and synthetic["trajectories"] == 6 and synthetic["samples_per_question"] == 2
+    assert set(synthetic["turn_scaling"]) == {"1", "2", "4"} and "avg@2" in synthetic and "pass@2" in synthetic
+    assert sum(synthetic["end_reasons"].values()) == pytest.approx(1.0)
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert len(rows) == 6 and {r["doc_id"] for r in rows} == {f"synth-test-00000{i}" for i in range(3)}
+    trajectories = read_trajectories(out / "trajectories" / "synthetic.jsonl")
+    assert len(trajectories) == 6 and all(t.rewards["valid"] for t in trajectories)
+    plot = json.loads((out / "plots" / "turn_scaling.json").read_text())
+    assert [p["max_turns"] for p in plot] == [1, 2, 4]
+    assert (out / "plots" / "turn_scaling.png").read_bytes().startswith(b"\x89PNG")
+    page = (out / "viewer.html").read_text()
+    assert page.count("synth-test-000000") >= 1 and "data:image/jpeg;base64," in page
+
+    again = run_eval(workspace, tiny_model_dir, "second")
+    assert (again / "results.jsonl").read_text() == (out / "results.jsonl").read_text()
+    assert (again / "trajectories" / "synthetic.jsonl").read_text() == (out / "trajectories" / "synthetic.jsonl").read_text()
+
+
+def test_missing_benchmark_is_an_error_not_a_skip(workspace, tiny_model_dir, capsys):
+    params = yaml.safe_load((workspace / "params.yaml").read_text())
+    params["eval"]["benchmarks"].append({"name": "vstar", "path": str(workspace / "no-such-vstar")})
+    (workspace / "bad.yaml").write_text(yaml.safe_dump(params))
+    code = eval_main(["--params", str(workspace / "bad.yaml"), "--model", str(tiny_model_dir),
+                      "--out", str(workspace / "bad"), "--no-progress"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "vstar" in err and "no-such-vstar" in err
+    assert not (workspace / "bad" / "metrics.json").exists()
+
+
+def test_unknown_eval_key_names_its_path(workspace, tiny_model_dir, capsys):
+    params = yaml.safe_load((workspace / "params.yaml").read_text())
+    params["eval"]["sample"] = 3
+    (workspace / "typo.yaml").write_text(yaml.safe_dump(params))
+    code = eval_main(["--params", str(workspace / "typo.yaml"), "--model", str(tiny_model_dir),
+                      "--out", str(workspace / "typo"), "--no-progress"])
+    assert code == 2 and "eval.sample" in capsys.readouterr().err
