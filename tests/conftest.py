@@ -10,6 +10,8 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Tests opt in to MLflow (with a store under their tmp_path); everything else runs with the stand-in logger.
+os.environ.setdefault("LOUPE_TRACKING", "off")
 
 
 @pytest.fixture(scope="session")

@@ -73,7 +73,9 @@ def run_eval(workspace: Path, model: Path, out: str) -> Path:
     return workspace / out
 
 
-def test_eval_writes_every_output_and_repeats_exactly(workspace, tiny_model_dir):
+def test_eval_writes_every_output_and_repeats_exactly(workspace, tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("LOUPE_TRACKING", "on")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{workspace / 'mlflow.db'}")
     out = run_eval(workspace, tiny_model_dir, "first")
     metrics = json.loads((out / "metrics.json").read_text())
     synthetic = metrics["benchmarks"]["synthetic"]
@@ -90,6 +92,15 @@ def test_eval_writes_every_output_and_repeats_exactly(workspace, tiny_model_dir)
     page = (out / "viewer.html").read_text()
     assert page.count("synth-test-000000") >= 1 and "data:image/jpeg;base64," in page
 
+    import mlflow
+
+    [run] = mlflow.search_runs(experiment_names=["loupe"], output_format="list")
+    assert run.data.tags["loupe.stage"] == "eval" and run.data.params["eval.samples"] == "2"
+    assert run.data.metrics["synthetic.questions"] == 3.0
+    artefacts = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id)}
+    assert {"metrics.json", "viewer.html", "plots"} <= artefacts
+
+    monkeypatch.setenv("LOUPE_TRACKING", "off")
     again = run_eval(workspace, tiny_model_dir, "second")
     assert (again / "results.jsonl").read_text() == (out / "results.jsonl").read_text()
     assert (again / "trajectories" / "synthetic.jsonl").read_text() == (out / "trajectories" / "synthetic.jsonl").read_text()

@@ -29,6 +29,7 @@ from loupe.io import atomic_write_json, atomic_write_text
 from loupe.plots import line_plot
 from loupe.rewards import build_judge, score_trajectory
 from loupe.rollout import make_engine, run_rollouts
+from loupe.tracking import stage_run
 from loupe.trajectory import Trajectory, write_trajectories
 from loupe.viewer import render_html
 from stages.eval.metrics import result_rows, summarize
@@ -36,7 +37,22 @@ from stages.eval.params import EvalParams
 
 
 def evaluate(params_path: Path, model_path: Path, out_dir: Path, progress: bool = True) -> dict:
-    """Run the whole evaluation; returns the metrics written to metrics.json."""
+    """Run the whole evaluation inside the stage's MLflow run; returns the metrics written to metrics.json."""
+    seed = load_seed(params_path)
+    params = load_section(EvalParams, "eval", params_path)
+    with stage_run("eval", params={"eval": params.model_dump(mode="json"), "model": str(model_path)}) as run:
+        metrics = _evaluate(params_path, model_path, out_dir, progress)
+        for name, summary in metrics["benchmarks"].items():
+            run.log_metrics({name: {k: v for k, v in summary.items() if k != "turn_scaling"}})
+            for limit, accuracy in summary["turn_scaling"].items():
+                if accuracy is not None:
+                    run.log_metrics({f"{name}.turn_scaling": accuracy}, step=int(limit))
+        for artefact in ("metrics.json", "results.jsonl", "viewer.html", "plots"):
+            run.log_artifact(out_dir / artefact)
+        return metrics
+
+
+def _evaluate(params_path: Path, model_path: Path, out_dir: Path, progress: bool) -> dict:
     seed = load_seed(params_path)
     protocol = load_section(ProtocolParams, "protocol", params_path)
     rollout = load_section(RolloutParams, "rollout", params_path)
