@@ -104,6 +104,26 @@ class NullRun:
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
 
 
+def artifact_root() -> str | None:
+    """Where a new experiment keeps artefacts: LOUPE_ARTIFACT_ROOT, else beside a SQLite store.
+
+    MLflow's default for a database store is `./mlruns` under whatever folder the process started in, which
+    scatters artefacts across working directories; beside the database they stay with the runs they belong to.
+    """
+    if os.environ.get("LOUPE_ARTIFACT_ROOT"):
+        return os.environ["LOUPE_ARTIFACT_ROOT"]
+    uri = tracking_uri()
+    if uri.startswith("sqlite:///"):
+        return (Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts").resolve().as_uri()
+    return None
+
+
+def _use_experiment(mlflow: Any, name: str) -> None:
+    if mlflow.get_experiment_by_name(name) is None:
+        mlflow.create_experiment(name, artifact_location=artifact_root())
+    mlflow.set_experiment(name)
+
+
 @contextmanager
 def stage_run(stage: str, params: dict[str, Any] | None = None, tags: dict[str, Any] | None = None) -> Iterator[StageRun | NullRun]:
     """Open the stage's MLflow run (a child of LOUPE_PARENT_RUN_ID when set); yields a NullRun when off."""
@@ -113,7 +133,7 @@ def stage_run(stage: str, params: dict[str, Any] | None = None, tags: dict[str, 
     import mlflow
 
     mlflow.set_tracking_uri(tracking_uri())
-    mlflow.set_experiment(os.environ.get(EXPERIMENT_ENV, DEFAULT_EXPERIMENT))
+    _use_experiment(mlflow, os.environ.get(EXPERIMENT_ENV, DEFAULT_EXPERIMENT))
     parent = os.environ.get(PARENT_RUN_ENV)
     run_tags = {"loupe.stage": stage, **git_state(), **(tags or {})}
     if parent:
