@@ -215,6 +215,18 @@ class Protocol:
             return Action(error=FormatError(FormatErrorKind.BAD_JSON, f"unreadable turn ({type(err).__name__})"))
 
     def _parse(self, text: str, num_observations: int) -> Action:
+        call_parts = _split_single(text, self.call_open, self.call_close) if self.call_open else None
+        if call_parts is None:
+            return self._parse_answer_or_nothing(text)
+        before, payload, after = call_parts
+        if "<answer>" in before or "<answer>" in after:
+            raise _Invalid(FormatErrorKind.CALL_AND_ANSWER, "a turn must either call the tool or answer, not both")
+        if after.strip():
+            raise _Invalid(FormatErrorKind.TRAILING_TEXT, f"nothing may follow {self.call_close}")
+        return Action(think=extract_think(before), call=self._read_call(payload, num_observations))
+
+    def _read_call(self, payload: str, num_observations: int) -> ToolCall:
+        """The tool call inside the variant's call tags; raises _Invalid on anything malformed."""
         raise NotImplementedError
 
     def _parse_answer_or_nothing(self, text: str) -> Action:
@@ -272,15 +284,7 @@ class MiniO3Protocol(Protocol):
             "inside <answer> and </answer>."
         )
 
-    def _parse(self, text: str, num_observations: int) -> Action:
-        call_parts = _split_single(text, self.call_open, self.call_close)
-        if call_parts is None:
-            return self._parse_answer_or_nothing(text)
-        before, payload, after = call_parts
-        if "<answer>" in before or "<answer>" in after:
-            raise _Invalid(FormatErrorKind.CALL_AND_ANSWER, "a turn must either call the tool or answer, not both")
-        if after.strip():
-            raise _Invalid(FormatErrorKind.TRAILING_TEXT, f"nothing may follow {self.call_close}")
+    def _read_call(self, payload: str, num_observations: int) -> ToolCall:
         obj = _load_json_object(payload, "the grounding call")
         _check_keys(obj, ("bbox_2d", "source"), "the grounding call")
         box = _check_box(obj["bbox_2d"], upper=1.0)
@@ -295,8 +299,7 @@ class MiniO3Protocol(Protocol):
         if match:  # one name per image: observation_01 is observation_1, observation_0 the original
             number = int(match.group(1))
             source = f"observation_{number}" if number else ORIGINAL_IMAGE
-        call = ToolCall("crop", {"bbox_2d": list(box), "source": source, "frame": "relative"})
-        return Action(think=extract_think(before), call=call)
+        return ToolCall("crop", {"bbox_2d": list(box), "source": source, "frame": "relative"})
 
     def render_call(self, think: str, call: ToolCall) -> str:
         args = {"bbox_2d": _short_relative_box(call.arguments["bbox_2d"]), "source": call.arguments["source"]}
@@ -321,15 +324,7 @@ class DeepEyesProtocol(Protocol):
     def observation_text(self, index: int) -> str:
         return f"<tool_response>{IMAGE_PLACEHOLDER}</tool_response>\nContinue, or give your final answer."
 
-    def _parse(self, text: str, num_observations: int) -> Action:
-        call_parts = _split_single(text, self.call_open, self.call_close)
-        if call_parts is None:
-            return self._parse_answer_or_nothing(text)
-        before, payload, after = call_parts
-        if "<answer>" in before or "<answer>" in after:
-            raise _Invalid(FormatErrorKind.CALL_AND_ANSWER, "a turn must either call the tool or answer, not both")
-        if after.strip():
-            raise _Invalid(FormatErrorKind.TRAILING_TEXT, f"nothing may follow {self.call_close}")
+    def _read_call(self, payload: str, num_observations: int) -> ToolCall:
         obj = _load_json_object(payload, "the tool call")
         _check_keys(obj, ("name", "arguments"), "the tool call")
         if obj["name"] != self.tool_name:
@@ -338,8 +333,7 @@ class DeepEyesProtocol(Protocol):
             raise _Invalid(FormatErrorKind.WRONG_TYPE, "'arguments' must be a JSON object")
         _check_keys(obj["arguments"], ("bbox_2d",), "the tool call's arguments")
         box = _check_box(obj["arguments"]["bbox_2d"], upper=None)
-        call = ToolCall("crop", {"bbox_2d": list(box), "source": ORIGINAL_IMAGE, "frame": "absolute"})
-        return Action(think=extract_think(before), call=call)
+        return ToolCall("crop", {"bbox_2d": list(box), "source": ORIGINAL_IMAGE, "frame": "absolute"})
 
     def render_call(self, think: str, call: ToolCall) -> str:
         # Round outwards, as the crop tool does, so a sub-pixel box stays non-empty and crops the same pixels.

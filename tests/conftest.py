@@ -20,3 +20,15 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from loupe.models.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+@pytest.fixture(scope="session")
+def scene_dir(tmp_path_factory) -> Path:
+    """A folder holding `scene.png`: a 1400x1000 blue canvas with a small yellow square at (700, 500)."""
+    from PIL import Image
+
+    folder = tmp_path_factory.mktemp("scene")
+    image = Image.new("RGB", (1400, 1000), (30, 90, 160))
+    image.paste((250, 220, 0), (700, 500, 760, 560))
+    image.save(folder / "scene.png")
+    return folder

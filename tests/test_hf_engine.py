@@ -21,15 +21,6 @@ def tiny(tiny_model_dir):
     return load_model(tiny_model_dir), load_processor(tiny_model_dir)
 
 
-@pytest.fixture(scope="module")
-def task_dir(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("tasks")
-    image = Image.new("RGB", (1400, 1000), (30, 90, 160))
-    image.paste((250, 220, 0), (700, 500, 760, 560))
-    image.save(folder / "scene.png")
-    return folder
-
-
 def tasks(n: int) -> list[TaskRecord]:
     return [
         TaskRecord(doc_id=f"q{i}", images=["scene.png"], problem=f"What colour is square {i}?", solution="A",
@@ -55,9 +46,9 @@ def test_turn_markup_is_learnt_from_the_chat_template(tiny):
     assert markup.image == "<|vision_start|><|image_pad|><|vision_end|>"
 
 
-def test_token_trace_marks_exactly_the_generated_tokens(tiny, task_dir):
+def test_token_trace_marks_exactly_the_generated_tokens(tiny, scene_dir):
     eng = engine(tiny)
-    trajectories = run_rollouts(tasks(3), eng, PROTOCOL, task_dir, max_new_tokens=24)
+    trajectories = run_rollouts(tasks(3), eng, PROTOCOL, scene_dir, max_new_tokens=24)
     tokenizer = tiny[1].tokenizer
     for t in trajectories:
         trace = t.trace
@@ -83,11 +74,11 @@ def test_token_trace_marks_exactly_the_generated_tokens(tiny, task_dir):
         assert trace.input_ids.count(image_pad) > 0
 
 
-def test_logprobs_match_a_fresh_forward_pass(tiny, task_dir):
+def test_logprobs_match_a_fresh_forward_pass(tiny, scene_dir):
     """The sampling log-probs recorded during generation are the model's own (what RL's ratio starts from)."""
     model, processor = tiny
     eng = engine(tiny, temperature=1.0)
-    [t] = run_rollouts(tasks(1), eng, PROTOCOL, task_dir, max_new_tokens=16)
+    [t] = run_rollouts(tasks(1), eng, PROTOCOL, scene_dir, max_new_tokens=16)
     trace = t.trace
     ids = torch.tensor([trace.input_ids])
     with torch.no_grad():
@@ -103,22 +94,22 @@ def test_logprobs_match_a_fresh_forward_pass(tiny, task_dir):
     assert torch.allclose(logprobs[flags], recorded, atol=1e-3)
 
 
-def test_same_seed_same_trajectories(tiny, task_dir):
-    first = run_rollouts(tasks(4), engine(tiny, seed=7), PROTOCOL, task_dir, max_new_tokens=24)
-    second = run_rollouts(tasks(4), engine(tiny, seed=7), PROTOCOL, task_dir, max_new_tokens=24)
+def test_same_seed_same_trajectories(tiny, scene_dir):
+    first = run_rollouts(tasks(4), engine(tiny, seed=7), PROTOCOL, scene_dir, max_new_tokens=24)
+    second = run_rollouts(tasks(4), engine(tiny, seed=7), PROTOCOL, scene_dir, max_new_tokens=24)
     assert [t.trace.input_ids for t in first] == [t.trace.input_ids for t in second]
-    third = run_rollouts(tasks(4), engine(tiny, seed=8), PROTOCOL, task_dir, max_new_tokens=24)
+    third = run_rollouts(tasks(4), engine(tiny, seed=8), PROTOCOL, scene_dir, max_new_tokens=24)
     assert [t.trace.input_ids for t in first] != [t.trace.input_ids for t in third]
 
 
-def test_batched_greedy_equals_one_at_a_time(tiny, task_dir):
+def test_batched_greedy_equals_one_at_a_time(tiny, scene_dir):
     """Left padding and concatenated images must not change what each row generates."""
-    batched = run_rollouts(tasks(4), engine(tiny, temperature=0.0, batch_size=4), PROTOCOL, task_dir, max_new_tokens=16)
-    single = run_rollouts(tasks(4), engine(tiny, temperature=0.0, batch_size=1), PROTOCOL, task_dir, max_new_tokens=16)
+    batched = run_rollouts(tasks(4), engine(tiny, temperature=0.0, batch_size=4), PROTOCOL, scene_dir, max_new_tokens=16)
+    single = run_rollouts(tasks(4), engine(tiny, temperature=0.0, batch_size=1), PROTOCOL, scene_dir, max_new_tokens=16)
     assert [t.trace.input_ids for t in batched] == [t.trace.input_ids for t in single]
 
 
-def test_observation_turn_appends_tokens_and_pixels(tiny, task_dir):
+def test_observation_turn_appends_tokens_and_pixels(tiny, scene_dir):
     eng = engine(tiny)
     model, processor = tiny
     image = Image.new("RGB", (112, 112), (255, 0, 0))

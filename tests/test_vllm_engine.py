@@ -22,15 +22,6 @@ pytestmark = pytest.mark.gpu
 PROTOCOL = ProtocolParams(min_pixels=3136, max_pixels=50176, max_turns=3)
 
 
-@pytest.fixture(scope="module")
-def task_dir(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("tasks")
-    image = Image.new("RGB", (1400, 1000), (30, 90, 160))
-    image.paste((250, 220, 0), (700, 500, 760, 560))
-    image.save(folder / "scene.png")
-    return folder
-
-
 def tasks(n: int) -> list[TaskRecord]:
     return [
         TaskRecord(doc_id=f"q{i}", images=["scene.png"], problem=f"Which colour is square {i}?", solution="A",
@@ -39,7 +30,7 @@ def tasks(n: int) -> list[TaskRecord]:
     ]
 
 
-def test_vllm_greedy_matches_transformers_greedy(tiny_model_dir, task_dir):
+def test_vllm_greedy_matches_transformers_greedy(tiny_model_dir, scene_dir):
     import torch
 
     assert torch.cuda.is_available(), "the gpu tests need a CUDA device"
@@ -49,11 +40,11 @@ def test_vllm_greedy_matches_transformers_greedy(tiny_model_dir, task_dir):
     stop = get_protocol("mini_o3").stop
     vllm_engine = VLLMEngine(str(tiny_model_dir), processor, stop, temperature=0.0, seed=0, dtype="float32",
                              gpu_memory_utilization=0.3)
-    from_vllm = run_rollouts(tasks(8), vllm_engine, PROTOCOL, task_dir, max_new_tokens=32)
+    from_vllm = run_rollouts(tasks(8), vllm_engine, PROTOCOL, scene_dir, max_new_tokens=32)
     vllm_engine.close()
     model = load_model(tiny_model_dir, device="cuda", dtype="float32")
     hf_engine = TransformersEngine(model, processor, stop, temperature=0.0, batch_size=8)
-    from_hf = run_rollouts(tasks(8), hf_engine, PROTOCOL, task_dir, max_new_tokens=32)
+    from_hf = run_rollouts(tasks(8), hf_engine, PROTOCOL, scene_dir, max_new_tokens=32)
     assert [t.end_reason for t in from_vllm] == [t.end_reason for t in from_hf]
     same = sum(a.trace.input_ids == b.trace.input_ids for a, b in zip(from_vllm, from_hf))
     assert same >= 6, f"only {same}/8 trajectories agree token for token"
