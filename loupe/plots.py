@@ -43,3 +43,32 @@ def line_plot(
     plt.close(fig)
     atomic_write_bytes(Path(out_png), buffer.getvalue())
     return Path(out_png)
+
+
+def bar_plot(
+    series: dict[str, dict[str, float]],
+    out_png: str | Path,
+    title: str,
+    xlabel: str,
+    ylabel: str,
+) -> Path:
+    """Grouped bars: one group per category (in order of first appearance), one bar per series in each."""
+    categories = list(dict.fromkeys(c for values in series.values() for c in values))
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=110)
+    width = 0.8 / max(len(series), 1)
+    for i, (label, values) in enumerate(series.items()):
+        xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(categories))]
+        ax.bar(xs, [values.get(c, 0) for c in categories], width=width, label=label)
+    ax.set_xticks(range(len(categories)), categories, rotation=30 if max(map(len, categories), default=0) > 6 else 0)
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3, axis="y")
+    if len(series) > 1:
+        ax.legend()
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    plt.close(fig)
+    atomic_write_bytes(Path(out_png), buffer.getvalue())
+    return Path(out_png)

@@ -8,19 +8,29 @@ The API key is read from the environment variable the parameters name and never 
 
 Token counts come from the endpoint's `usage`; there are no token ids or log-probs, so this engine serves
 synthesis and evaluation, not RL.
+
+Identical requests (the K samples of a task start from the same prompt) are told apart by their occurrence
+number n, counted in the order the loop hands states over; (request, n) is the key of the optional `cache` (any
+object with `get(key) -> dict | None` and `put(key, dict)`, such as the synth stage's disk cache), so a
+repeated run sends no request twice and K samples keep K replies. Cached replies are counted apart from paid
+ones in `usage`.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
+import json
 import os
 import threading
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import openai
+from openai.types.chat import ChatCompletion
 from PIL import Image
 
 from loupe.config import OpenAIEndpointParams
@@ -57,18 +67,34 @@ class _ChatState:
 
 @dataclass
 class UsageCounter:
-    """Tokens and requests spent on an endpoint, summed across threads."""
+    """Tokens and requests spent on an endpoint, summed across threads; replies served from the cache apart."""
 
     requests: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_requests: int = 0
+    cached_prompt_tokens: int = 0
+    cached_completion_tokens: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def add(self, prompt: int, completion: int) -> None:
+    def add(self, prompt: int, completion: int, cached: bool = False) -> None:
         with self._lock:
-            self.requests += 1
-            self.prompt_tokens += prompt
-            self.completion_tokens += completion
+            if cached:
+                self.cached_requests += 1
+                self.cached_prompt_tokens += prompt
+                self.cached_completion_tokens += completion
+            else:
+                self.requests += 1
+                self.prompt_tokens += prompt
+                self.completion_tokens += completion
+
+
+class ReplyCache(Protocol):
+    """Where replies are kept between runs, by request key (chat.completion objects as JSON dicts)."""
+
+    def get(self, key: str) -> dict[str, Any] | None: ...
+
+    def put(self, key: str, reply: dict[str, Any]) -> None: ...
 
 
 class OpenAIEngine(Engine):
@@ -83,8 +109,11 @@ class OpenAIEngine(Engine):
         temperature: float = 1.0,
         top_p: float = 1.0,
         seed: int | None = None,
+        cache: ReplyCache | None = None,
     ):
         self.endpoint = endpoint
+        self.cache = cache
+        self._occurrences: Counter[str] = Counter()
         self.stop = tuple(stop)
         self.temperature = temperature
         self.top_p = top_p
@@ -114,9 +143,12 @@ class OpenAIEngine(Engine):
         return state.tokens
 
     def generate(self, states: list[_ChatState], max_new_tokens: int) -> list[Generation]:
-        return list(self._pool.map(lambda s: self._complete(s, max_new_tokens), states))
+        # Requests are numbered here, in the loop's order, so occurrence numbers (cache keys) repeat run to run.
+        requests = [self._request(s, max_new_tokens) for s in states]
+        return list(self._pool.map(self._complete, states, requests))
 
-    def _complete(self, state: _ChatState, max_new_tokens: int) -> Generation:
+    def _request(self, state: _ChatState, max_new_tokens: int) -> tuple[str, dict[str, Any]]:
+        """The request body for a state's next turn and its key: a digest of endpoint and body, then `-n`."""
         request: dict[str, Any] = {
             "model": self.endpoint.model,
             "messages": state.messages,
@@ -128,14 +160,22 @@ class OpenAIEngine(Engine):
             request["stop"] = list(self.stop)
         if self.seed is not None:
             request["seed"] = self.seed
-        try:
-            response = self.client.chat.completions.create(**request)
-        except openai.APIError as err:
-            status = getattr(err, "status_code", None)
-            cause = f"HTTP {status}" if status else type(err).__name__
-            raise EndpointError(
-                f"{self.endpoint.base_url}: chat completion failed after {self.endpoint.max_retries} retries ({cause})"
-            ) from None
+        digest = hashlib.sha256(
+            json.dumps([self.endpoint.base_url, request], sort_keys=True, ensure_ascii=False).encode("utf-8")
+        ).hexdigest()
+        n = self._occurrences[digest]
+        self._occurrences[digest] += 1
+        return f"{digest}-{n}", request
+
+    def _complete(self, state: _ChatState, keyed_request: tuple[str, dict[str, Any]]) -> Generation:
+        key, request = keyed_request
+        cached = self.cache.get(key) if self.cache is not None else None
+        if cached is not None:
+            response = ChatCompletion.model_validate(cached)
+        else:
+            response = self._send(request)
+            if self.cache is not None:
+                self.cache.put(key, response.model_dump(mode="json"))
         choice = response.choices[0]
         text = choice.message.content or ""
         finish = "length" if choice.finish_reason == "length" else "eos"
@@ -150,10 +190,20 @@ class OpenAIEngine(Engine):
         usage = response.usage
         prompt_tokens = usage.prompt_tokens if usage else state.tokens
         completion_tokens = usage.completion_tokens if usage else max(1, len(text) // 3)
-        self.usage.add(prompt_tokens, completion_tokens)
+        self.usage.add(prompt_tokens, completion_tokens, cached=cached is not None)
         state.messages.append({"role": "assistant", "content": text})
         state.tokens = prompt_tokens + completion_tokens
         return Generation(text=text, finish=finish, num_tokens=completion_tokens)
+
+    def _send(self, request: dict[str, Any]) -> ChatCompletion:
+        try:
+            return self.client.chat.completions.create(**request)
+        except openai.APIError as err:
+            status = getattr(err, "status_code", None)
+            cause = f"HTTP {status}" if status else type(err).__name__
+            raise EndpointError(
+                f"{self.endpoint.base_url}: chat completion failed after {self.endpoint.max_retries} retries ({cause})"
+            ) from None
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,184 @@
+"""The oracle's reasoning text: short sentences drawn from pools of wordings, so no sentence is learnt by rote.
+
+Every turn is assembled from slots (what the last observation showed, what to do next, where), each filled
+from a pool by the trajectory's own random stream. Sentences marked optional are dropped first when a turn
+would not fit the student's token budget. Areas are named from a box's position ("upper left", "centre").
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+Box = tuple[float, float, float, float]
+
+SUBJECTS = (
+    "the target",
+    "the object in question",
+    "what the question asks about",
+    "the thing I am looking for",
+    "the item the question describes",
+)
+
+OPENERS = (
+    "The image is large and the detail is small, so I need a closer look.",
+    "At this resolution I cannot make out the details.",
+    "The downscaled view is too coarse to answer from.",
+    "I need to find {subject} first.",
+    "Small details are unreadable in this view.",
+    "I should search the image before answering.",
+)
+
+FIRST_WIDE = (
+    "I'll start with the {area}.",
+    "Let me look at the {area} first.",
+    "The {area} seems a good place to start.",
+    "Zooming into the {area}.",
+    "I'll check the {area}.",
+    "Checking the {area}.",
+)
+
+FIRST_CLOSE = (
+    "Something small in the {area} could be {subject}; zooming in on it.",
+    "There is a likely candidate in the {area}. Let me zoom in.",
+    "{subject_cap} appears to be in the {area}; I'll zoom in there.",
+    "I'll zoom straight into the {area}, where it seems to be.",
+    "It should be in the {area}.",
+)
+
+MISSED = (
+    "Observation {n} shows the {area}, but {subject} is not there.",
+    "No sign of {subject} in Observation {n}.",
+    "Observation {n} holds other objects, not {subject}.",
+    "{subject_cap} is not in Observation {n}.",
+    "Nothing in Observation {n} matches the question.",
+    "Not in Observation {n}.",
+)
+
+RETRY = (
+    "Let me try the {area} instead.",
+    "I'll look elsewhere: the {area}.",
+    "Maybe it is in the {area}.",
+    "Next I'll check the {area}.",
+    "Moving on to the {area}.",
+    "Trying the {area}.",
+)
+
+SPOTTED = (
+    "Observation {n} narrows it down: a candidate sits near the {area} of this view, still too small to read.",
+    "In Observation {n} I can spot a candidate near the {area}, but the details are blurry.",
+    "Observation {n} shows {subject} near its {area}, though not clearly.",
+    "{subject_cap} seems to be in the {area} of Observation {n}; I need more detail.",
+    "It is near the {area} of Observation {n}.",
+)
+
+CLOSER_ON_ORIGINAL = (
+    "I'll zoom in closer on the original image.",
+    "A tighter crop of the original should settle it.",
+    "Zooming in closer on the original.",
+    "Let me take a closer look on the full image.",
+)
+
+CLOSER_ON_OBSERVATION = (
+    "Zooming further into Observation {n}.",
+    "I'll zoom into Observation {n} itself.",
+    "A tighter crop of Observation {n} should settle it.",
+    "Let me zoom in on that part of Observation {n}.",
+    "Zooming into Observation {n}.",
+)
+
+SEEN_CHOICE = (
+    "Observation {n} shows it clearly: the answer is {text}, option ({letter}).",
+    "Now it is clear in Observation {n}: {text}. That is option {letter}.",
+    "Clearly visible now: {text}, so the answer is ({letter}).",
+    "In Observation {n} I can see it is {text}, which matches option {letter}.",
+    "It is {text}: option {letter}.",
+)
+
+SEEN_FREE = (
+    "Observation {n} shows it clearly: the answer is {text}.",
+    "Now I can see it: {text}.",
+    "The zoomed view answers the question: {text}.",
+    "In Observation {n} it is clear: {text}.",
+    "It is {text}.",
+)
+
+CONFIRM = (
+    "I am confident.",
+    "That settles it.",
+    "No need to look further.",
+    "",
+)
+
+
+def area_name(box: Box) -> str:
+    """Where a box's centre lies on its image, in words ("upper left", "centre", "right side")."""
+    cx, cy = (box[0] + box[2]) / 2, (box[1] + box[3]) / 2
+    column = "left" if cx < 1 / 3 else "right" if cx > 2 / 3 else ""
+    row = "upper" if cy < 1 / 3 else "lower" if cy > 2 / 3 else ""
+    if row and column:
+        return f"{row} {column} part"
+    if row:
+        return f"{row} middle part"
+    if column:
+        return f"{column} side"
+    return "centre"
+
+
+@dataclass(frozen=True)
+class Sentence:
+    """One sentence of a turn, with the shortest wording of its slot as a fallback for tight budgets."""
+
+    text: str
+    shortest: str
+    optional: bool = False
+
+
+class Wording:
+    """One trajectory's phrasing: a random stream plus the subject phrase it sticks to."""
+
+    def __init__(self, rng: random.Random):
+        self.rng = rng
+        self.subject = rng.choice(SUBJECTS)
+
+    def _fill(self, pool: tuple[str, ...], optional: bool = False, **slots: object) -> Sentence:
+        subject_cap = self.subject[0].upper() + self.subject[1:]
+        filled = [t.format(subject=self.subject, subject_cap=subject_cap, **slots) for t in pool]
+        return Sentence(self.rng.choice(filled), min(filled, key=len), optional)
+
+    def first_turn(self, area: str, close: bool) -> list[Sentence]:
+        return [self._fill(OPENERS, optional=True), self._fill(FIRST_CLOSE if close else FIRST_WIDE, area=area)]
+
+    def after_miss(self, n: int, seen_area: str, next_area: str) -> list[Sentence]:
+        return [self._fill(MISSED, n=n, area=seen_area), self._fill(RETRY, area=next_area)]
+
+    def after_spot(self, n: int, area_in_view: str, next_source_obs: int | None) -> list[Sentence]:
+        spotted = self._fill(SPOTTED, n=n, area=area_in_view)
+        if next_source_obs is None:
+            return [spotted, self._fill(CLOSER_ON_ORIGINAL, optional=True)]
+        return [spotted, self._fill(CLOSER_ON_OBSERVATION, n=next_source_obs)]
+
+    def answer(self, n: int, text: str, letter: str | None) -> list[Sentence]:
+        if letter is not None:
+            seen = self._fill(SEEN_CHOICE, n=n, text=text, letter=letter)
+        else:
+            seen = self._fill(SEEN_FREE, n=n, text=text)
+        confirm = self._fill(CONFIRM, optional=True)
+        return [seen] + ([confirm] if confirm.text else [])
+
+
+def fit_sentences(sentences: list[Sentence], max_chars: int) -> str:
+    """Join the sentences within `max_chars` if it can be done: drop optional ones (earliest first), then fall
+    back to each slot's shortest wording. Returns the shortest joint text when nothing fits."""
+    kept = list(sentences)
+
+    def joined() -> str:
+        return " ".join(s.text for s in kept)
+
+    while len(joined()) > max_chars and any(s.optional for s in kept):
+        kept.pop(next(i for i, s in enumerate(kept) if s.optional))
+    for i, sentence in enumerate(kept):
+        if len(joined()) <= max_chars:
+            break
+        kept[i] = Sentence(sentence.shortest, sentence.shortest)
+    return joined()

@@ -1,0 +1,142 @@
+"""The import teacher on a small Mini-o3-style cold-start parquet written here: no eval(), same writer, same checks."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+from test_synth_support import write_params
+
+from loupe.protocol import get_protocol
+from stages.synth.__main__ import main
+from stages.synth.dataset import DATASET_NAME
+from stages.synth.importer import ImportFormatError, parse_conversations
+
+MINI_O3 = get_protocol("mini_o3")
+THEIR_SYSTEM = "You are a helpful assistant. Think, zoom with <grounding>, answer in <answer>."
+OBSERVATION = MINI_O3.observation_text(1)
+
+
+def encoded(colour: tuple[int, int, int], size: tuple[int, int], fmt: str) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", size, colour).save(buffer, format=fmt)
+    return buffer.getvalue()
+
+
+ORIGINAL = encoded((200, 30, 30), (640, 480), "JPEG")
+CROP = encoded((30, 200, 30), (224, 168), "PNG")
+CALL = '<think>The sign is small; zoom in.</think>\n<grounding>{"bbox_2d": [0.1, 0.2, 0.4, 0.5], "source": "original_image"}</grounding>'
+
+
+def row(conversations, images, names, sample):
+    return {"conversations": conversations, "images": [{"bytes": b, "path": None} for b in images],
+            "image_names": names, "data_source": "visual_probe", "sample_index": sample, "rollout_index": 0}
+
+
+def good_dialogue(answer: str) -> list[dict[str, str]]:
+    return [
+        {"from": "system", "value": THEIR_SYSTEM},
+        {"from": "human", "value": "<image>\nWhat colour is the sign?"},
+        {"from": "gpt", "value": CALL},
+        {"from": "human", "value": OBSERVATION},
+        {"from": "gpt", "value": f"<think>Observation 1 shows it: {answer}.</think>\n<answer>{answer}</answer>"},
+    ]
+
+
+def write_parquet(path: Path, rows: list[dict]) -> Path:
+    schema = pa.schema([
+        ("conversations", pa.string()),
+        ("images", pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())]))),
+        ("image_names", pa.list_(pa.string())),
+        ("data_source", pa.string()),
+        ("sample_index", pa.int64()),
+        ("rollout_index", pa.int64()),
+    ])
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
+    return path
+
+
+@pytest.fixture()
+def coldstart(tmp_path: Path) -> Path:
+    names = ["original_image.jpg", "observation_1.png"]
+    malformed = good_dialogue("red")
+    malformed[2] = {"from": "gpt", "value": '<think>zoom</think>\n<grounding>{"bbox_2d": [0.1, 0.2}</grounding>'}
+    rows = [
+        row(repr(good_dialogue("red")), [ORIGINAL, CROP], names, 0),  # a printed Python list, single quotes
+        row(json.dumps(good_dialogue("blue")), [ORIGINAL, CROP], names, 1),  # JSON works as well
+        row(json.dumps([{"from": "human", "value": "<image>\nColour?"}, {"from": "gpt", "value": "<think>easy</think>\n<answer>red</answer>"}]),
+            [ORIGINAL], names[:1], 2),  # answers without zooming: not a search
+        row(repr(malformed), [ORIGINAL, CROP], names, 3),  # a malformed call: not a clean trajectory
+        row(repr(good_dialogue("red")), [ORIGINAL, CROP], names, 0),  # the same as the first row
+        row(repr(good_dialogue("red")), [b"not an image", CROP], names, 5),
+    ]
+    folder = tmp_path / "coldstart"
+    folder.mkdir()
+    write_parquet(folder / "part-0.parquet", rows[:4])
+    write_parquet(folder / "part-1.parquet", rows[4:])
+    return folder
+
+
+def run_import(tmp_path: Path, path: Path, **settings) -> tuple[int, Path]:
+    params = write_params(tmp_path / "params.yaml", {"teacher": "import", "import": {"path": str(path), "batch_rows": 4, **settings}})
+    out = tmp_path / "out"
+    return main(["--params", str(params), "--out", str(out), "--no-progress"]), out
+
+
+def test_import_keeps_clean_searches_with_their_original_image_bytes(coldstart, tmp_path):
+    code, out = run_import(tmp_path, coldstart)
+    assert code == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["teacher"] == "import" and metrics["trajectories"] == 6
+    assert metrics["rejections"] == {"bad_image": 1, "format_errors": 1, "too_few_tool_calls": 1}
+    assert metrics["accepted"] == 3 and metrics["duplicates"] == 1 and metrics["records"] == 2
+    records = json.loads((out / "dataset" / f"{DATASET_NAME}.json").read_text())
+    first = records[0]
+    assert [m["from"] for m in first["conversations"]] == ["system", "human", "gpt", "human", "gpt"]
+    assert first["conversations"][0]["value"] == MINI_O3.system_prompt()  # rl and eval prompt with this one
+    assert [m["value"] for m in first["conversations"][1:]] == [m["value"] for m in good_dialogue("red")[1:]]
+    images = [(out / "dataset" / p).read_bytes() for p in first["images"]]
+    assert images == [ORIGINAL, CROP]  # not re-encoded
+    assert first["images"][0].endswith(".jpg") and records[1]["images"][0] == first["images"][0]  # stored once
+    assert (out / "viewer.html").is_file() and metrics["turns_histogram"]["2"] == 3
+
+
+def test_import_can_keep_the_records_own_system_prompt_and_a_limit(coldstart, tmp_path):
+    code, out = run_import(tmp_path, coldstart, system_prompt="keep", limit=2)
+    assert code == 0
+    records = json.loads((out / "dataset" / f"{DATASET_NAME}.json").read_text())
+    assert len(records) == 2 and {r["conversations"][0]["value"] for r in records} == {THEIR_SYSTEM}
+
+
+def test_code_in_a_row_is_refused_never_run(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    attack = "__import__('pathlib').Path('PWNED').touch() or [{'from': 'human', 'value': 'x'}]"
+    path = write_parquet(tmp_path / "evil.parquet", [row(attack, [ORIGINAL], ["a.jpg"], 0)])
+    code, _ = run_import(tmp_path, path)
+    err = capsys.readouterr().err
+    assert code == 2 and "evil.parquet: row 0: field 'conversations'" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_conversation_shapes_are_checked_by_name():
+    assert parse_conversations('[{"from": "human", "value": "hi"}]', "f: row 1")[0]["value"] == "hi"
+    assert parse_conversations([{"from": "gpt", "value": "x"}], "f: row 1")[0]["from"] == "gpt"
+    with pytest.raises(ImportFormatError, match=r"f: row 1: field 'conversations.0.from'"):
+        parse_conversations("[{'from': 'bot', 'value': 'x'}]", "f: row 1")
+    with pytest.raises(ImportFormatError, match=r"field 'conversations.1'"):
+        parse_conversations("[{'from': 'human', 'value': 'x'}, 'oops']", "f: row 1")
+    with pytest.raises(ImportFormatError, match="non-empty list"):
+        parse_conversations("{'from': 'human'}", "f: row 1")
+
+
+def test_missing_columns_and_files_are_named(tmp_path, capsys):
+    pq.write_table(pa.table({"text": ["x"]}), tmp_path / "other.parquet")
+    code, _ = run_import(tmp_path, tmp_path / "other.parquet")
+    assert code == 2 and "other.parquet: column(s) ['conversations', 'images'] missing" in capsys.readouterr().err
+    code, _ = run_import(tmp_path, tmp_path / "absent")
+    assert code == 2 and "absent: parquet file or folder not found" in capsys.readouterr().err
