@@ -11,6 +11,18 @@ from pathlib import Path
 from typing import Any, Iterator
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+# mkstemp/mkdtemp create private files (0600) and folders (0700); outputs are shared data (a container running
+# as another user reads them), so they get the modes an ordinary open() or mkdir() would have given.
+FILE_MODE = 0o666 & ~_umask()
+DIR_MODE = 0o777 & ~_umask()
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write `data` to `path` through a temporary file in the same folder and an atomic rename."""
     path = Path(path)
@@ -21,6 +33,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, FILE_MODE)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -47,6 +60,7 @@ def atomic_directory(final: Path) -> Iterator[Path]:
     for stale in final.parent.glob(f".{final.name}.partial-*"):
         shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.partial-"))
+    os.chmod(tmp, DIR_MODE)
     try:
         yield tmp
         if final.exists():
