@@ -60,7 +60,7 @@ def test_loop_over_an_http_endpoint_sends_images_and_restores_the_stop_string(ta
     images = [p for m in second["messages"] for p in (m["content"] if isinstance(m["content"], list) else [])
               if p.get("type") == "image_url"]
     assert all(p["image_url"]["url"].startswith("data:image/png;base64,") for p in images) and len(images) >= 1
-    assert requests[0].body["stop"] == ["</grounding>"] and requests[0].body["seed"] == 1
+    assert requests[0].body["stop"] == ["</grounding>"] and requests[0].body["seed"] >= 1
     assert requests[0].headers["authorization"] == "Bearer sk-secret-123"
 
 
@@ -103,3 +103,11 @@ def test_length_finish_is_reported(task_dir, monkeypatch):
     with FakeOpenAIServer(lambda request: "word " * 500) as server:
         [t] = run_rollouts(tasks(1), make_engine(server), PROTOCOL, task_dir, max_new_tokens=8)
     assert t.end_reason == "length" and t.generated_tokens == 8
+
+
+def test_identical_requests_of_k_samples_carry_different_seeds(task_dir, monkeypatch):
+    monkeypatch.setenv("LOUPE_TEST_KEY", "k")
+    with FakeOpenAIServer(searcher) as server:
+        run_rollouts(tasks(1), make_engine(server), PROTOCOL, task_dir, samples_per_task=3)
+        first_turn_seeds = sorted(r.body["seed"] for r in server.requests if len(r.body["messages"]) == 2)
+    assert first_turn_seeds == [1, 2, 3]

@@ -165,6 +165,9 @@ class OpenAIEngine(Engine):
         ).hexdigest()
         n = self._occurrences[digest]
         self._occurrences[digest] += 1
+        if self.seed is not None:
+            # K samples of a task send identical requests; a seeded endpoint would answer all K alike.
+            request["seed"] = self.seed + n
         return f"{digest}-{n}", request
 
     def _complete(self, state: _ChatState, keyed_request: tuple[str, dict[str, Any]]) -> Generation:

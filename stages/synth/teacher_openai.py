@@ -6,7 +6,7 @@ It is the shared `OpenAIEngine` (concurrency, retries with backoff, token counts
   student is trained and later prompted with;
 - a disk cache of replies (`DiskReplyCache`) keyed by request and occurrence: an interrupted or repeated run
   pays for no request twice;
-- per-sample seeds: the n-th identical request carries `seed + n`, so a seeded server still gives K samples.
+- per-sample seeds come from the shared engine: the n-th identical request carries `seed + n`.
 
 The API key is read by the engine from the environment variable `rollout.openai.api_key_env` names; it is
 never in a cache key, a cached file, a log line, metrics or MLflow parameters.
@@ -149,7 +149,7 @@ class DiskReplyCache:
 
 
 class FewShotOpenAIEngine(OpenAIEngine):
-    """The shared OpenAI engine with exemplars in the system prompt and a seed per sample."""
+    """The shared OpenAI engine with exemplars in the system prompt."""
 
     name = "openai_teacher"
 
@@ -174,12 +174,6 @@ class FewShotOpenAIEngine(OpenAIEngine):
             chosen = random.Random(f"loupe-exemplars/{question}").sample(self.exemplars, self.num_exemplars)
             system = system + few_shot_block(chosen)
         return super().begin(system, question, images)
-
-    def _request(self, state: Any, max_new_tokens: int) -> tuple[str, dict[str, Any]]:
-        key, request = super()._request(state, max_new_tokens)
-        if self.seed is not None:
-            request["seed"] = self.seed + int(key.rsplit("-", 1)[1])
-        return key, request
 
 
 def build_openai_teacher(
