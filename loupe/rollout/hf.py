@@ -11,6 +11,7 @@ and the images of every row are concatenated in row order, which is how Qwen2-VL
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -172,6 +173,14 @@ class TransformersEngine(TokenContextEngine):
         super().__init__(processor, stop, temperature, top_p, batch_size)
         self.model = model.eval()
         self.device = next(model.parameters()).device
+        # Qwen2-VL-family models place image tokens with 3D (mrope) positions only when told which tokens are
+        # image tokens; without it generation silently falls back to 1D positions, unlike training and vLLM.
+        self.image_token_id = getattr(model.config, "image_token_id", None)
+        self.types_image_tokens = "mm_token_type_ids" in inspect.signature(model.forward).parameters
+        # A sampled image or video marker would claim an image that does not exist: the next turn's forward
+        # pass fails ("image features and image tokens do not match"). The model may never write them.
+        markers = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+        self.suppressed = sorted({i for i in (getattr(model.config, m, None) for m in markers) if isinstance(i, int)})
         torch.manual_seed(seed)
 
     def generate(self, states: list[_State], max_new_tokens: int) -> list[Generation]:
@@ -194,6 +203,8 @@ class TransformersEngine(TokenContextEngine):
         if pixel_values:
             inputs["pixel_values"] = torch.cat(pixel_values).to(self.device, self.model.dtype)
             inputs["image_grid_thw"] = torch.cat([g for s in states for g in s.grid_thw]).to(self.device)
+            if self.types_image_tokens and self.image_token_id is not None:
+                inputs["mm_token_type_ids"] = (inputs["input_ids"] == self.image_token_id).long()
         sampling: dict[str, Any] = {"do_sample": False}
         if self.temperature > 0:
             sampling = {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": 0}
@@ -205,6 +216,7 @@ class TransformersEngine(TokenContextEngine):
             tokenizer=self.tokenizer,
             eos_token_id=self.end_ids,
             pad_token_id=self.pad_id,
+            suppress_tokens=self.suppressed or None,
             use_cache=True,
             output_logits=True,
             return_dict_in_generate=True,

@@ -1,0 +1,169 @@
+"""One GRPO step on the tiny model, timed part by part, and packed (padding-free) vs padded updates.
+
+The step is the rl stage's own code: a `RolloutWorker` rolls out `--prompts` synthetic visual-search tasks
+`--samples` times each with the mini_o3 protocol, the `RewardPool` scores them, GRPO advantages are computed,
+and a `Learner` recomputes old log-probs and runs the update. Each part's wall time and peak memory is
+printed (CUDA: peak allocated; CPU: peak resident set size sampled every 2 ms, above the level at its start).
+
+Then the same batch is updated again from the same starting weights with `batching: packed` and with
+`batching: padded`, `--repeats` times each (median), and the ratio padded/packed is printed, with the tokens
+each layout computes (padding included).
+
+    python benchmarks/grpo_step.py [--model DIR] [--prompts 4] [--samples 4] [--max-new-tokens 32]
+                                   [--threads 1] [--device cpu]
+
+Without --model the tiny model is built in a temporary folder. Not a test: a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from loupe.config import ProtocolParams, RolloutParams
+from loupe.data.synthetic import SyntheticConfig, generate_tasks
+from loupe.data.tasks import read_tasks
+from stages.rl.advantages import compute_advantages
+from stages.rl.learner import Learner
+from stages.rl.params import RLParams
+from stages.rl.trainer import to_sequence
+from stages.rl.workers import RewardPool, RolloutWorker
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@contextmanager
+def peak_memory(device: str) -> Iterator[dict[str, float]]:
+    """Yields a dict that holds `peak_mb` (above the starting level) once the block ends."""
+    result: dict[str, float] = {}
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        yield result
+        torch.cuda.synchronize()
+        result["peak_mb"] = (torch.cuda.max_memory_allocated() - start) / 2**20
+        return
+    start, peak, done = _rss_bytes(), [0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss_bytes())
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        yield result
+    finally:
+        done.set()
+        sampler.join()
+        result["peak_mb"] = max(0, max(peak[0], _rss_bytes()) - start) / 2**20
+
+
+@contextmanager
+def timed(label: str, device: str, report: dict) -> Iterator[None]:
+    with peak_memory(device) as memory:
+        started = time.perf_counter()
+        yield
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
+    report[label] = (seconds, memory["peak_mb"])
+    print(f"{label:>24}: {seconds:7.3f} s   peak +{memory['peak_mb']:7.1f} MB")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--samples", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest on a shared 2-core CPU)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"device {args.device}, torch threads {torch.get_num_threads()}, {args.prompts} prompts x {args.samples} samples, "
+          f"max {args.max_new_tokens} new tokens a turn")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = args.model
+        if model_dir is None:
+            from loupe.models.tiny import build_tiny_model
+
+            model_dir = build_tiny_model(Path(tmp) / "tiny", seed=args.seed)
+        data = Path(tmp) / "tasks"
+        generate_tasks(data, SyntheticConfig(seed=args.seed, train=args.prompts, val=0, test=0))
+        tasks = read_tasks(data / "train.jsonl")
+        protocol = ProtocolParams(name="mini_o3", max_turns=3)
+        rollout = RolloutParams(device=args.device, max_new_tokens=args.max_new_tokens)
+        params = RLParams(micro_batch_size=args.micro_batch_size, lr=1e-3, learner_device=args.device, ray={"enabled": False})
+
+        worker = RolloutWorker(str(model_dir), rollout, protocol, str(data), seed=args.seed)
+        pool = RewardPool(params.reward)
+        learner = Learner(model_dir, params, rollout.temperature, args.max_new_tokens * protocol.max_turns)
+        start_state = learner.state_dict()
+        worker.rollout(tasks[:1], 1, args.seed, protocol.max_turns, 4)  # warm-up: first-call costs
+
+        report: dict[str, tuple[float, float]] = {}
+        print("one GRPO step:")
+        with timed("rollout", args.device, report):
+            trajectories, stats = worker.rollout(tasks, args.samples, args.seed, protocol.max_turns, args.max_new_tokens)
+        with timed("reward", args.device, report):
+            for t, parts in zip(trajectories, pool.score(trajectories)):
+                t.rewards = parts
+        sequences = [to_sequence(t, True, str(k // args.samples)) for k, t in enumerate(trajectories)]
+        # A random policy earns no reward; a spread of advantages makes the update do real work anyway.
+        rewards = [float(k % 3) for k in range(len(sequences))]
+        for s, a in zip(sequences, compute_advantages(rewards, [s.group for s in sequences], "grpo")):
+            s.advantage = float(a)
+        with timed("update (recompute+ppo)", args.device, report):
+            for s, old in zip(sequences, learner.logprobs(sequences)):
+                s.old_logprobs = old
+            learner.update(sequences)
+        total = sum(seconds for seconds, _ in report.values())
+        print(f"{'step total':>24}: {total:7.3f} s; rollout {stats.generated_tokens} generated tokens "
+              f"({stats.generated_tokens / report['rollout'][0]:.0f} tok/s), {stats.turns} turns")
+
+        lengths = [len(s) for s in sequences]
+        micro = [lengths[i : i + args.micro_batch_size] for i in range(0, len(lengths), args.micro_batch_size)]
+        real_tokens = sum(lengths)
+        padded_tokens = sum(max(m) * len(m) for m in micro)
+        print(f"\nupdate layouts on the same batch ({len(sequences)} sequences, lengths {min(lengths)}-{max(lengths)}): "
+              f"packed computes {real_tokens} tokens, padded {padded_tokens} ({padded_tokens / real_tokens - 1:.0%} padding)")
+        medians = {}
+        for mode in ("packed", "padded"):
+            learner.batching = mode
+            runs, peaks = [], []
+            for _ in range(args.repeats):
+                learner.load_state_dict(start_state)
+                learner.optimizer = torch.optim.AdamW(learner.model.parameters(), lr=params.lr)
+                with peak_memory(args.device) as memory:
+                    started = time.perf_counter()
+                    learner.logprobs(sequences)
+                    learner.update(sequences)
+                    runs.append(time.perf_counter() - started)
+                peaks.append(memory["peak_mb"])
+            medians[mode] = statistics.median(runs)
+            print(f"{mode:>24}: {medians[mode]:7.3f} s median of {args.repeats} (recompute + update), "
+                  f"peak +{max(peaks):.1f} MB, {(real_tokens if mode == 'packed' else padded_tokens) / medians[mode]:.0f} tok/s")
+        print(f"packed speed-up over padded: {medians['padded'] / medians['packed']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Train the policy with GRPO-family RL on multi-turn zoom-in rollouts, on Ray (`python -m stages.rl`).
+
+Reads the `rl` section of params.yaml (plus the shared `seed`, `protocol` and `rollout` sections), starts
+(or joins, with RAY_ADDRESS) Ray, and trains the model in --model on the train split of --tasks. Writes
+into --out:
+
+    model/                the final policy as a Hugging Face model directory (what the eval stage reads)
+    metrics.json          first and last step's reward, accuracy, entropy, KL, ...; last validation
+    metrics.jsonl         one row per training step and per validation (everything logged to MLflow)
+    plots/train.json      per-step reward, accuracy, response length, KL, entropy, clip fraction (DVC plots)
+    plots/val.json        validation accuracy per step; plots/reward.png, plots/update.png
+    samples/step_N.html   sampled training trajectories every `sample_trajectories_every` steps
+    viewer.html           the last step's trajectories
+    checkpoints/step_N/   atomic checkpoints; a rerun after a kill resumes from the newest
+
+Launch:
+    python -m stages.rl --params params.yaml --model work/sft/model --tasks work/data/tasks --out work/rl
+On a cluster: `ray start --head` on one node and `ray start --address HEAD:6379` on the others, then run
+the same command on the head with RAY_ADDRESS=auto and `rl.ray.gpus_per_node`/`nodes` set (docs/rl.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from loupe.config import ParamsError
+from loupe.tracking import stage_run
+from stages.rl.trainer import Trainer, read_inputs
+
+
+def train(params_path: Path, model_path: Path, tasks_dir: Path, out_dir: Path, progress: bool = True,
+          use_ray: bool | None = None) -> dict:
+    """Validate the inputs, then train inside the stage's MLflow run; returns what metrics.json holds."""
+    inputs = read_inputs(params_path, model_path, tasks_dir)
+    logged = {"rl": inputs.params.model_dump(mode="json"), "model": str(model_path), "tasks": str(tasks_dir),
+              "seed": inputs.seed, "rollout": inputs.rollout.model_dump(mode="json")}
+    with stage_run("rl", params=logged) as run:
+        metrics = Trainer(inputs, out_dir, run, progress=progress, use_ray=use_ray).run_loop()
+        run.log_metrics({"final": metrics.get("last", {}), "best_val_accuracy": metrics.get("best_val_accuracy")})
+        for artefact in ("metrics.json", "metrics.jsonl", "plots", "viewer.html"):
+            run.log_artifact(out_dir / artefact)
+        return metrics
+
+
+def _print_summary(metrics: dict, out_dir: Path) -> None:
+    first, last = metrics.get("first", {}), metrics.get("last", {})
+
+    def show(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
+    print(
+        f"rl: {metrics['steps']} steps; reward {show(first.get('reward/mean'))} -> {show(last.get('reward/mean'))}, "
+        f"accuracy {show(first.get('reward/accuracy'))} -> {show(last.get('reward/accuracy'))}, "
+        f"best val accuracy {show(metrics.get('best_val_accuracy'))}"
+    )
+    print(f"model: {out_dir / 'model'}\nmetrics: {out_dir / 'metrics.json'}\ntrajectories: {out_dir / 'viewer.html'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m stages.rl", description=__doc__.split("\n")[0])
+    parser.add_argument("--params", type=Path, default=Path("params.yaml"), help="params file (default: params.yaml)")
+    parser.add_argument("--model", type=Path, required=True, help="Hugging Face model directory to start from")
+    parser.add_argument("--tasks", type=Path, required=True, help="task folder holding <split>.jsonl files")
+    parser.add_argument("--out", type=Path, required=True, help="output folder (resumes from its checkpoints)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    try:
+        metrics = train(args.params, args.model, args.tasks, args.out, progress=not args.no_progress)
+    except (ParamsError, FileNotFoundError, ValueError) as err:
+        print(f"rl: {err}", file=sys.stderr)
+        return 2
+    _print_summary(metrics, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""Advantage estimators: pure functions from a batch's scalar rewards and groups to one advantage per sequence.
+
+A group is the n trajectories sampled for one prompt. `in_stats` marks the trajectories whose rewards count
+in the group's statistics (Mini-o3's over-turn masking can leave over-turn trajectories out); every
+trajectory still receives an advantage, and the loss mask decides which ones are trained.
+
+- `grpo`: (r - group mean) / (group std + eps), std with Bessel's correction (as verl and EasyR1 compute it).
+- `dr_grpo`: r - group mean (Dr. GRPO: no std normalisation, which over-weights easy and hard prompts).
+- `rloo`: r - mean of the *other* members of the group (leave-one-out baseline, unbiased).
+- `reinforce_pp`: (r - batch mean) / (batch std + eps) (REINFORCE++ with outcome rewards: a global baseline
+  and whitening instead of a per-group one).
+
+A group with fewer than two counted members (or, for reinforce_pp, a batch) has no baseline: its advantages
+are 0. Written with numpy, not torch, because these run on the driver over a few hundred floats.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Hashable, Sequence
+
+import numpy as np
+
+ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "dr_grpo")
+
+
+def compute_advantages(
+    rewards: Sequence[float],
+    groups: Sequence[Hashable],
+    estimator: str = "grpo",
+    in_stats: Sequence[bool] | None = None,
+    eps: float = 1e-6,
+) -> np.ndarray:
+    """One advantage per sequence, in input order."""
+    r = np.asarray(rewards, dtype=np.float64)
+    if len(groups) != len(r):
+        raise ValueError(f"{len(r)} rewards but {len(groups)} group ids")
+    counted = np.ones(len(r), dtype=bool) if in_stats is None else np.asarray(in_stats, dtype=bool)
+    if len(counted) != len(r):
+        raise ValueError(f"{len(r)} rewards but {len(counted)} in_stats flags")
+    if not np.isfinite(r[counted]).all():
+        raise ValueError("rewards counted in the statistics must be finite")
+    out = np.zeros(len(r), dtype=np.float64)
+
+    if estimator == "reinforce_pp":
+        if counted.sum() >= 2:
+            mean, std = r[counted].mean(), r[counted].std(ddof=1)
+            out = (r - mean) / (std + eps)
+        return np.where(np.isfinite(out), out, 0.0)
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"unknown estimator {estimator!r}; known: {', '.join(ESTIMATORS)}")
+
+    all_members: dict[Hashable, list[int]] = defaultdict(list)
+    for i, group in enumerate(groups):
+        all_members[group].append(i)
+    for group, members in all_members.items():
+        stats = [i for i in members if counted[i]]
+        if len(stats) < 2:
+            continue
+        values = r[stats]
+        mean = values.mean()
+        for i in members:
+            if estimator == "grpo":
+                out[i] = (r[i] - mean) / (values.std(ddof=1) + eps)
+            elif estimator == "dr_grpo":
+                out[i] = r[i] - mean
+            else:  # rloo: the baseline of a counted member leaves that member out
+                baseline = (values.sum() - r[i]) / (len(stats) - 1) if counted[i] else mean
+                out[i] = r[i] - baseline
+    return np.where(np.isfinite(out), out, 0.0)
+
+
+def groups_with_signal(
+    rewards: Sequence[float], groups: Sequence[Hashable], in_stats: Sequence[bool] | None = None, tol: float = 1e-9
+) -> set[Hashable]:
+    """Groups whose counted rewards differ (DAPO's dynamic-sampling filter); the rest carry no gradient."""
+    r = np.asarray(rewards, dtype=np.float64)
+    counted = [True] * len(r) if in_stats is None else list(in_stats)
+    values: dict[Hashable, list[float]] = defaultdict(list)
+    for reward, group, keep in zip(r, groups, counted):
+        if keep:
+            values[group].append(float(reward))
+    return {g for g, v in values.items() if len(v) >= 2 and max(v) - min(v) > tol}

@@ -1,0 +1,99 @@
+"""Atomic training checkpoints and exact resume.
+
+A checkpoint is a folder `<out>/checkpoints/step_NNNNNN/` holding
+
+    policy.safetensors   the policy's full weights
+    optimizer.pt         the optimiser's state (AdamW moments, step counts)
+    rng.pt               python, numpy and torch (CPU and CUDA) generator states
+    state.json           step, the prompt stream's position, and the tracking run's facts
+
+It is built under a temporary name and renamed into place (`loupe.io.atomic_directory`), so a kill at any
+moment leaves either the previous checkpoint or the new one, never half of one. `latest_checkpoint` finds
+the newest complete one; older ones beyond `keep` are deleted only after a newer one is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from loupe.io import atomic_directory, atomic_write_json
+
+CHECKPOINTS = "checkpoints"
+STATE_FILE = "state.json"
+
+
+def rng_state() -> dict[str, Any]:
+    """Every random generator the stage touches, in a picklable form."""
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def checkpoint_dir(out_dir: Path, step: int) -> Path:
+    return Path(out_dir) / CHECKPOINTS / f"step_{step:06d}"
+
+
+def save_checkpoint(
+    out_dir: Path,
+    step: int,
+    policy_state: dict[str, torch.Tensor],
+    optimizer_state: bytes,
+    state: dict[str, Any],
+    keep: int = 2,
+) -> Path:
+    """Write step `step`'s checkpoint atomically, then prune all but the newest `keep`."""
+    final = checkpoint_dir(out_dir, step)
+    with atomic_directory(final) as tmp:
+        # safetensors refuses tensors that share memory (tied embeddings): store contiguous private copies.
+        save_file({k: v.detach().contiguous().clone() for k, v in policy_state.items()}, str(tmp / "policy.safetensors"))
+        (tmp / "optimizer.pt").write_bytes(optimizer_state)
+        torch.save(rng_state(), tmp / "rng.pt")
+        atomic_write_json(tmp / STATE_FILE, {"step": step, **state})
+    for old in list_checkpoints(out_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(out_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first (a folder without its state file is not one)."""
+    root = Path(out_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = [p for p in root.glob("step_*") if p.is_dir() and (p / STATE_FILE).is_file()]
+    return sorted(found, key=lambda p: int(p.name.split("_")[1]))
+
+
+def latest_checkpoint(out_dir: Path) -> Path | None:
+    found = list_checkpoints(out_dir)
+    return found[-1] if found else None
+
+
+def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], bytes, dict[str, Any]]:
+    """(policy weights, optimiser state bytes, state.json) of a checkpoint; restores the RNG states too."""
+    path = Path(path)
+    state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+    policy = load_file(str(path / "policy.safetensors"))
+    optimizer = (path / "optimizer.pt").read_bytes()
+    set_rng_state(torch.load(path / "rng.pt", weights_only=False))
+    return policy, optimizer, state

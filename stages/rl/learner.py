@@ -1,0 +1,286 @@
+"""The learner: the policy, its optimiser, the frozen reference, and one PPO-style update over a batch.
+
+`Learner.update(sequences, step)` runs `ppo_epochs` passes; each pass splits the batch into `mini_batches`
+optimiser steps, and each mini-batch into micro-batches of `micro_batch_size` sequences whose gradients
+accumulate (the loss normaliser is the mini-batch's, so accumulation changes nothing but memory). Log-probs
+come from `batching.token_logprobs` (packed or padded), the loss from `loss.policy_loss`.
+
+One process owns the whole policy on CPU or one GPU. With several learner ranks (one per GPU, started by
+workers.LearnerGroup under a torch.distributed process group), the policy is sharded with FSDP2
+(`torch.distributed.fsdp.fully_shard`, per decoder layer and vision block, then the root); each rank runs
+its own share of the micro-batches and gradients are summed across ranks (each rank's loss uses the global
+normaliser and is scaled by the rank count, which FSDP's gradient averaging divides back out).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loupe.models import load_model, load_processor, resolve_device
+from stages.rl.batching import TrainSequence, token_logprobs
+from stages.rl.loss import LossConfig, loss_normaliser, policy_loss
+from stages.rl.params import RLParams
+
+
+def shard_model(model: Any, mesh: Any = None) -> Any:
+    """Shard `model` in place with FSDP2: each decoder layer and vision block, then the root module."""
+    from torch.distributed.fsdp import fully_shard
+
+    inner = model.model
+    for layer in inner.language_model.layers:
+        fully_shard(layer, mesh=mesh)
+    for block in getattr(inner.visual, "blocks", []):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+class Learner:
+    """Owns the policy and optimiser; computes log-probs and applies updates."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        params: RLParams,
+        temperature: float,
+        generation_budget: int,
+        device: str | None = None,
+        distributed: bool = False,
+    ):
+        self.params = params
+        self.temperature = temperature
+        self.generation_budget = generation_budget
+        self.distributed = distributed
+        self.rank = torch.distributed.get_rank() if distributed else 0
+        self.world = torch.distributed.get_world_size() if distributed else 1
+        self.device = resolve_device(device or params.learner_device)
+        # Float32 on CPU; on GPU bf16 weights with float32 optimiser math is the usual trade. Loaded on CPU first
+        # when sharding, so each rank only ever holds its shard on the GPU.
+        self.model = load_model(model_path, device="cpu" if distributed else self.device)
+        self.model.config.use_cache = False
+        if params.attn_implementation:
+            self.model.set_attn_implementation(params.attn_implementation)
+        if params.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        if distributed:
+            shard_model(self.model)
+        self.model.train()
+        self.batching = params.batching
+        if self.batching == "auto":  # only flash-attention's varlen kernels skip the cross-sequence attention
+            attention = str(getattr(self.model.config, "_attn_implementation", "") or "")
+            self.batching = "packed" if attention.startswith("flash_attention") else "padded"
+        self.pad_id = load_processor(model_path).tokenizer.pad_token_id or 0
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=params.lr, betas=params.betas, weight_decay=params.weight_decay
+        )
+        self.reference = None
+        if params.kl.coef > 0:
+            self.reference = load_model(model_path, device=self.device).eval()
+            self.reference.requires_grad_(False)
+        self.loss_cfg = LossConfig(
+            clip_low=params.clip_low,
+            clip_high=params.clip_high,
+            kl_coef=params.kl.coef if params.kl.form == "loss" else 0.0,
+            kl_estimator=params.kl.estimator,
+            entropy_coef=params.entropy_coef,
+        )
+
+    # --- log-probs ------------------------------------------------------------------------------------------
+
+    def _micro_batches(self, sequences: list[TrainSequence]) -> list[list[TrainSequence] | None]:
+        """Micro-batches of `sequences`; when sharded, padded with None so every rank runs as many forwards
+        as the busiest one (each forward gathers the sharded weights, a collective all ranks must join)."""
+        size = self.params.micro_batch_size
+        micros: list[list[TrainSequence] | None] = [sequences[i : i + size] for i in range(0, len(sequences), size)]
+        if self.distributed:
+            count = torch.tensor([len(micros)], device=self.device)
+            torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+            micros += [None] * (int(count) - len(micros))
+        return micros
+
+    @torch.no_grad()
+    def logprobs(
+        self, sequences: list[TrainSequence], filler: list[TrainSequence] | None = None, reference: bool = False
+    ) -> list[torch.Tensor]:
+        """Per sequence, the log-probs of its trained tokens under the policy (or the reference), on CPU.
+
+        `filler` (sharded runs) is a sequence to run, and discard, where this rank has fewer micro-batches.
+        """
+        model = self.reference if reference else self.model
+        if model is None:
+            raise ValueError("no reference model: kl.coef is 0")
+        trained = [s for s in sequences if s.num_trained]
+        flat: list[torch.Tensor] = []
+        for micro in self._micro_batches(trained):
+            found, _ = token_logprobs(model, micro or filler or [], self.batching, self.temperature, self.pad_id)
+            if micro is not None:
+                flat += list(found.cpu().split([s.num_trained for s in micro]))
+        it = iter(flat)
+        return [next(it) if s.num_trained else torch.zeros(0) for s in sequences]
+
+    # --- the update -----------------------------------------------------------------------------------------
+
+    def update(self, sequences: list[TrainSequence], filler: list[TrainSequence] | None = None) -> dict[str, float]:
+        """PPO epochs over `sequences` (this rank's share when sharded); returns averaged statistics.
+
+        `filler` (sharded runs): a sequence whose forward and backward run with zero weight where this rank has
+        fewer micro-batches than another, so every rank joins the same collectives.
+        """
+        started = time.perf_counter()
+        p = self.params
+        sequences = [s for s in sequences if s.num_trained]
+        totals: dict[str, float] = {}
+        grad_norms: list[float] = []
+        if not sequences and not self.distributed:
+            return {"skipped_update": 1.0}
+        minis = _split_evenly(sequences, p.mini_batches)
+        if not self.distributed:
+            minis = [m for m in minis if m]
+        for _ in range(p.ppo_epochs):
+            for mini in minis:
+                tokens, count = sum(s.num_trained for s in mini), len(mini)
+                if self.distributed:
+                    counts = torch.tensor([tokens, count], dtype=torch.float64, device=self.device)
+                    torch.distributed.all_reduce(counts)
+                    tokens, count = int(counts[0]), int(counts[1])
+                normaliser = loss_normaliser(p.aggregation, tokens, count, self.generation_budget)
+                self.optimizer.zero_grad(set_to_none=True)
+                for micro in self._micro_batches(mini):
+                    if micro is None:
+                        self._backward(filler or [], normaliser, scale=0.0)
+                        continue
+                    for key, value in self._backward(micro, normaliser).items():
+                        totals[key] = max(totals.get(key, 0.0), value) if key.endswith("_max") else totals.get(key, 0.0) + value
+                norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), p.max_grad_norm)
+                norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+                grad_norms.append(norm)
+                if math.isfinite(norm):
+                    self.optimizer.step()
+                else:  # a non-finite gradient would poison the weights; skip the step and say so
+                    totals["nonfinite_grad_steps"] = totals.get("nonfinite_grad_steps", 0.0) + 1
+                self.optimizer.zero_grad(set_to_none=True)
+        return self._summarise(totals, grad_norms, time.perf_counter() - started)
+
+    def _backward(self, micro: list[TrainSequence], normaliser: float, scale: float = 1.0) -> dict[str, float]:
+        logprobs, entropy = token_logprobs(
+            self.model, micro, self.batching, self.temperature, self.pad_id, with_entropy=True
+        )
+        device = logprobs.device
+        old = torch.cat([s.old_logprobs for s in micro]).to(device)
+        advantages = torch.cat([torch.full((s.num_trained,), float(s.advantage)) for s in micro]).to(device)
+        ref = None
+        if self.reference is not None and all(s.ref_logprobs is not None for s in micro):
+            ref = torch.cat([s.ref_logprobs for s in micro]).to(device)  # type: ignore[misc]
+        loss, stats = policy_loss(logprobs, old, advantages, normaliser, self.loss_cfg, ref, entropy)
+        # Each rank's loss is divided by the global normaliser, so the batch's gradient is the ranks' sum; FSDP
+        # averages over ranks (with whatever reduction the backend supports), hence the factor `world`.
+        (loss * (scale * self.world)).backward()
+        return stats if scale else {}
+
+    def _summarise(self, totals: dict[str, float], grad_norms: list[float], seconds: float) -> dict[str, float]:
+        tokens = totals.get("tokens", 0.0)
+        if self.distributed:
+            keys = sorted(k for k in totals if not k.endswith("_max"))
+            summed = torch.tensor([totals[k] for k in keys], dtype=torch.float64, device=self.device)
+            torch.distributed.all_reduce(summed)
+            totals.update(dict(zip(keys, summed.tolist())))
+            tokens = totals.get("tokens", 0.0)
+        per_token = max(tokens, 1.0)
+        out = {
+            "update_tokens": tokens,
+            "pg_loss": totals.get("pg_loss_sum", 0.0) / per_token,
+            "clip_frac": totals.get("clipped_sum", 0.0) / per_token,
+            "clip_frac_high": totals.get("clipped_high_sum", 0.0) / per_token,
+            "clip_frac_low": totals.get("clipped_low_sum", 0.0) / per_token,
+            "ratio_mean": totals.get("ratio_sum", 0.0) / per_token,
+            "ratio_max": totals.get("ratio_max", 0.0),
+            "policy_kl": totals.get("policy_kl_sum", 0.0) / per_token,
+            "entropy": totals.get("entropy_sum", 0.0) / per_token,
+            "grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
+            "optimizer_steps": float(len(grad_norms)),
+            "update_seconds": seconds,
+        }
+        if "kl_sum" in totals:
+            out["kl"] = totals["kl_sum"] / per_token
+        if "nonfinite_grad_steps" in totals:
+            out["nonfinite_grad_steps"] = totals["nonfinite_grad_steps"]
+        return out
+
+    # --- weights and state ----------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The full policy weights on CPU (for rollout workers and saving); gathered across ranks when sharded."""
+        if self.distributed:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if self.distributed:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True))
+        else:
+            self.model.load_state_dict(state)
+
+    def optimizer_state(self) -> bytes:
+        """The optimiser's state serialised (full, on CPU), for checkpoints."""
+        if self.distributed:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+            state = get_optimizer_state_dict(
+                self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
+        else:
+            state = self.optimizer.state_dict()
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        return buffer.getvalue()
+
+    def load_optimizer_state(self, data: bytes) -> None:
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+        if self.distributed:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+            set_optimizer_state_dict(
+                self.model, self.optimizer, state, options=StateDictOptions(full_state_dict=True)
+            )
+        else:
+            self.optimizer.load_state_dict(state)
+
+    def save_pretrained(self, out_dir: Path, model_path: str | Path) -> None:
+        """Write the policy as a Hugging Face model directory (weights, config, processor) that eval loads."""
+        if not self.distributed:
+            model = self.model
+        else:  # gather the shards, then rank 0 writes an unsharded copy
+            state = self.state_dict()
+            if self.rank != 0:
+                return
+            from transformers import AutoModelForImageTextToText
+
+            model = AutoModelForImageTextToText.from_pretrained(str(model_path), dtype=self.model.dtype)
+            model.load_state_dict(state)
+        model.config.use_cache = True  # saved for generation; training keeps it off
+        try:
+            model.save_pretrained(out_dir)
+        finally:
+            self.model.config.use_cache = False
+        load_processor(model_path).save_pretrained(out_dir)
+
+
+def _split_evenly(items: list[Any], parts: int) -> list[list[Any]]:
+    """`items` in exactly `parts` contiguous chunks whose sizes differ by at most one (some may be empty)."""
+    size, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + size + (1 if i < extra else 0)
+        out.append(items[start:end])
+        start = end
+    return out

@@ -1,0 +1,432 @@
+"""The GRPO step loop: prompts -> rollouts -> rewards -> advantages -> update -> weights to the workers.
+
+Each step:
+1. takes `prompts_per_step` prompts from a seeded, epoch-wise shuffled stream of the train split;
+2. rolls out `samples_per_prompt` trajectories of each on the rollout workers (seeded from seed, step, try,
+   worker) and scores them in the reward pool;
+3. dynamic sampling: keeps the groups whose counted rewards differ; while the batch is short it rolls out
+   fresh prompts, at most `dynamic_sampling.max_tries` rounds;
+4. builds the learner's sequences: only model-generated tokens are trained, none of an over-turn trajectory
+   when masking is on, none of one whose reward is invalid (a judge outage is not a wrong answer);
+5. recomputes old log-probs (or takes the sampler's), reference log-probs when KL is on, advantages;
+6. runs the PPO epochs and sends the new weights to the workers;
+7. logs a row of metrics (MLflow, metrics.jsonl), validates on the val split every `val_every` steps through
+   the eval stage's metrics, writes an HTML page of sampled trajectories every `sample_trajectories_every`
+   steps, and checkpoints every `checkpoint_every` steps.
+
+A run that finds a checkpoint in --out resumes from it: weights, optimiser, stream position and RNG states,
+with metrics.jsonl cut back to the checkpoint's step, so a killed and resumed run ends exactly like an
+uninterrupted one (on CPU, same seed, same worker count).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import mean
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from loupe.config import ProtocolParams, RolloutParams, load_section, load_seed
+from loupe.data.tasks import TaskRecord, read_tasks
+from loupe.io import DIR_MODE, FILE_MODE, atomic_directory, atomic_write_json
+from loupe.tracking import NullRun, StageRun
+from loupe.trajectory import Trajectory
+from loupe.viewer import render_html
+from stages.eval.metrics import summarize
+from stages.rl import checkpoint as ckpt
+from stages.rl.advantages import compute_advantages, groups_with_signal
+from stages.rl.batching import TrainSequence
+from stages.rl.loss import kl_estimate
+from stages.rl.metrics import MetricsLog, rollout_metrics, write_plots
+from stages.rl.params import RLParams
+
+VAL_SEED_TAG = 1_000_003
+"""Mixed into the seed of validation rollouts so they never share a stream with training rollouts."""
+
+
+def derive_seed(*parts: int) -> int:
+    """A 31-bit seed from integers, the same in every process (no Python hash randomisation)."""
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0] & 0x7FFFFFFF)
+
+
+class PromptStream:
+    """Task indices in a fresh seeded permutation each epoch; its whole state is one integer, `position`."""
+
+    def __init__(self, num_tasks: int, seed: int, position: int = 0):
+        if num_tasks < 1:
+            raise ValueError("the train split holds no task")
+        self.num_tasks, self.seed, self.position = num_tasks, seed, position
+        self._orders: dict[int, np.ndarray] = {}
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._orders:
+            self._orders = {epoch: np.random.default_rng([self.seed, epoch]).permutation(self.num_tasks)}
+        return self._orders[epoch]
+
+    def take(self, count: int) -> list[int]:
+        out = []
+        for _ in range(count):
+            epoch, index = divmod(self.position, self.num_tasks)
+            out.append(int(self._order(epoch)[index]))
+            self.position += 1
+        return out
+
+
+@dataclass
+class Inputs:
+    """Everything a run reads, validated before any model loads."""
+
+    seed: int
+    params: RLParams
+    protocol: ProtocolParams
+    rollout: RolloutParams
+    model_path: Path
+    tasks_dir: Path
+    train: list[TaskRecord]
+    val: list[TaskRecord]
+    vision_markers: frozenset[int] = frozenset()
+    """Token ids of image/video markers: a trajectory whose model wrote one cannot be replayed (see _trainable)."""
+
+    @property
+    def max_turns(self) -> int:
+        return self.params.max_turns or self.protocol.max_turns
+
+    @property
+    def generation_budget(self) -> int:
+        """Most tokens one trajectory can generate (the token_sum normaliser's per-sequence constant)."""
+        return self.rollout.max_new_tokens * self.max_turns
+
+
+def read_inputs(params_path: Path, model_path: Path, tasks_dir: Path) -> Inputs:
+    seed = load_seed(params_path)
+    params = load_section(RLParams, "rl", params_path)
+    protocol = load_section(ProtocolParams, "protocol", params_path)
+    rollout = load_section(RolloutParams, "rollout", params_path)
+    updates: dict[str, Any] = {}
+    if params.temperature is not None:
+        updates["temperature"] = params.temperature
+    if params.max_new_tokens is not None:
+        updates["max_new_tokens"] = params.max_new_tokens
+    rollout = rollout.model_copy(update=updates)
+    if rollout.temperature <= 0:
+        raise ValueError(f"{params_path}: rl.temperature: RL needs sampling (temperature > 0), got rollout.temperature 0")
+    if rollout.engine == "openai":
+        raise ValueError(f"{params_path}: rollout.engine: the openai engine keeps no token ids to train on; use transformers or vllm")
+    if not (Path(model_path) / "config.json").is_file():
+        raise FileNotFoundError(f"{model_path}: not a Hugging Face model directory (no config.json)")
+    train = read_tasks(Path(tasks_dir) / f"{params.train_split}.jsonl", check_images=True)
+    val: list[TaskRecord] = []
+    if params.val_every:
+        val = read_tasks(Path(tasks_dir) / f"{params.val_split}.jsonl", check_images=True)
+        val = val[: params.val_prompts] if params.val_prompts else val
+    config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
+    markers = frozenset(
+        config[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+        if isinstance(config.get(k), int)
+    )
+    return Inputs(seed, params, protocol, rollout, Path(model_path), Path(tasks_dir), train, val, markers)
+
+
+def wrote_vision_marker(t: Trajectory, markers: frozenset[int]) -> bool:
+    """Whether the model itself sampled an image/video marker token.
+
+    The learner could not replay such a trajectory: the marker would claim an image that does not exist
+    ("image features and image tokens do not match"). The transformers engine never samples them; other
+    engines might.
+    """
+    trace = t.trace
+    return trace is not None and any(g and i in markers for i, g in zip(trace.input_ids, trace.generated))
+
+
+def _trainable(t: Trajectory, params: RLParams, markers: frozenset[int] = frozenset()) -> tuple[bool, bool]:
+    """(trained?, counted in its group's statistics?) for a scored trajectory."""
+    valid = bool(t.rewards.get("valid", True)) and t.rewards.get("total") is not None
+    over = t.end_reason == "over_turn"
+    trained = valid and not (params.over_turn_masking and over) and not wrote_vision_marker(t, markers)
+    counted = valid and (not over or not params.over_turn_masking or params.over_turn_in_group_stats)
+    return trained, counted
+
+
+def to_sequence(t: Trajectory, trained: bool, group: str) -> TrainSequence:
+    """The learner's view of a trajectory: its token trace, trained positions and the sampler's log-probs."""
+    trace = t.trace
+    if trace is None:
+        raise ValueError(f"trajectory {t.traj_id} has no token trace; the rl stage needs the transformers or vllm engine")
+    ids = torch.tensor(trace.input_ids, dtype=torch.long)
+    generated = torch.tensor(trace.generated, dtype=torch.bool)
+    generated[0] = False  # the first token has no logit predicting it (never generated anyway)
+    positions = generated.nonzero().squeeze(1) if trained else torch.zeros(0, dtype=torch.long)
+    pixels = trace.extras.get("pixel_values") or []
+    grids = trace.extras.get("image_grid_thw") or []
+    return TrainSequence(
+        input_ids=ids,
+        positions=positions,
+        advantage=0.0,
+        old_logprobs=torch.tensor(trace.logprobs, dtype=torch.float32)[positions],
+        pixel_values=torch.cat(pixels) if pixels else None,
+        image_grid_thw=torch.cat(grids) if grids else None,
+        traj_id=t.traj_id,
+        group=group,
+    )
+
+
+class Trainer:
+    """Owns the actors and the loop; `run()` trains to `rl.steps` and leaves the model in `out/model`."""
+
+    def __init__(self, inputs: Inputs, out_dir: Path, run: StageRun | NullRun | None = None, progress: bool = True, use_ray: bool | None = None):
+        self.inputs = inputs
+        self.params = inputs.params
+        self.out_dir = Path(out_dir)
+        self.run = run or NullRun()
+        self.progress = progress
+        self.use_ray = self.params.ray.enabled if use_ray is None else use_ray
+        self.stream = PromptStream(len(inputs.train), inputs.seed)
+        self.log = MetricsLog(self.out_dir / "metrics.jsonl")
+        self.step = 0
+        self.last_batch: list[Trajectory] = []
+        self._ray_started = False
+
+    # --- set-up and tear-down -------------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        from stages.rl.learner import Learner
+        from stages.rl.workers import LearnerGroup, RewardService, WorkerSet, start_ray
+
+        i, p = self.inputs, self.params
+        if p.cpu_threads:
+            torch.set_num_threads(p.cpu_threads)
+        if self.use_ray:
+            self._ray_started = start_ray(p.ray)
+        self.reward = RewardService(p, self.use_ray)
+        self.workers = WorkerSet(str(i.model_path), i.rollout, i.protocol, str(i.tasks_dir), p, i.seed, self.use_ray)
+        if p.learner_ranks > 1:
+            if not self.use_ray:
+                raise ValueError("rl.ray: a learner on several GPUs needs Ray (rl.ray.enabled: true)")
+            self.learner: Any = LearnerGroup(str(i.model_path), p, i.rollout.temperature, i.generation_budget, p.learner_ranks)
+        else:
+            self.learner = Learner(i.model_path, p, i.rollout.temperature, i.generation_budget)
+        found = ckpt.latest_checkpoint(self.out_dir)
+        if found is not None:
+            policy, optimizer, state = ckpt.load_checkpoint(found)
+            self.learner.load_state_dict(policy)
+            self.learner.load_optimizer_state(optimizer)
+            self.workers.load_weights(policy)
+            self.step = int(state["step"])
+            self.stream.position = int(state["stream_position"])
+            self.log.truncate(self.step)
+            self.run.set_tags({"rl.resumed_from_step": self.step})
+        else:
+            self.log.truncate(0)
+
+    def _stop(self) -> None:
+        for part in ("workers", "learner"):
+            closer = getattr(getattr(self, part, None), "close", None)
+            if callable(closer):
+                closer()
+        if self._ray_started:
+            import ray
+
+            ray.shutdown()
+
+    # --- one step -------------------------------------------------------------------------------------------
+
+    def _collect(self, step: int) -> tuple[list[list[Trajectory]], list[Trajectory], dict[str, float]]:
+        """Kept groups (at most prompts_per_step), every trajectory rolled out, and timing."""
+        i, p = self.inputs, self.params
+        kept: list[list[Trajectory]] = []
+        everything: list[Trajectory] = []
+        timing = {"rollout": 0.0, "reward": 0.0, "generated_tokens": 0.0, "tries": 0.0, "groups_seen": 0.0}
+        tries = p.dynamic_sampling.max_tries if p.dynamic_sampling.enabled else 1
+        for attempt in range(1, tries + 1):
+            tasks = [i.train[k] for k in self.stream.take(p.prompts_per_step)]
+            seeds = [derive_seed(i.seed, step, attempt, w) for w in range(p.ray.num_workers)]
+            started = time.perf_counter()
+            trajectories, stats = self.workers.rollout(tasks, p.samples_per_prompt, seeds, i.max_turns, i.rollout.max_new_tokens)
+            timing["rollout"] += time.perf_counter() - started
+            timing["generated_tokens"] += stats.generated_tokens
+            started = time.perf_counter()
+            for t, rewards in zip(trajectories, self.reward.score(trajectories)):
+                t.rewards = rewards
+            timing["reward"] += time.perf_counter() - started
+            timing["tries"] = attempt
+            everything += trajectories
+            n = p.samples_per_prompt
+            groups = [trajectories[g : g + n] for g in range(0, len(trajectories), n)]
+            timing["groups_seen"] += len(groups)
+            if p.dynamic_sampling.enabled:
+                flat = [t for g in groups for t in g]
+                labels = [g for g, group in enumerate(groups) for _ in group]
+                counted = [_trainable(t, p)[1] for t in flat]
+                totals = [float(t.rewards.get("total") or 0.0) for t in flat]
+                signal = groups_with_signal(totals, labels, counted)
+                groups = [group for g, group in enumerate(groups) if g in signal]
+            kept += groups[: p.prompts_per_step - len(kept)]
+            if len(kept) >= p.prompts_per_step:
+                break
+        return kept, everything, timing
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        started = time.perf_counter()
+        p = self.params
+        kept, everything, timing = self._collect(step)
+        batch = [t for group in kept for t in group]
+        self.last_batch = batch or everything
+        flags = [_trainable(t, p, self.inputs.vision_markers) for t in batch]
+        labels = [f"{g}" for g, group in enumerate(kept) for _ in group]
+        sequences = [to_sequence(t, trained, label) for t, (trained, _), label in zip(batch, flags, labels)]
+        trained = [s for s in sequences if s.num_trained]
+
+        update_started = time.perf_counter()
+        update: dict[str, float] = {}
+        if trained:
+            if p.logprob_source == "recompute":
+                for s, old in zip(trained, self.learner.logprobs(trained)):
+                    s.old_logprobs = old
+            if p.kl.coef > 0:
+                for s, ref in zip(trained, self.learner.logprobs(trained, reference=True)):
+                    s.ref_logprobs = ref
+            rewards = [float(t.rewards.get("total") or 0.0) for t in batch]
+            if p.kl.coef > 0 and p.kl.form == "reward":
+                for k, s in enumerate(sequences):
+                    if s.num_trained and s.ref_logprobs is not None:
+                        rewards[k] -= p.kl.coef * float(kl_estimate(s.old_logprobs, s.ref_logprobs, p.kl.estimator).sum())
+            advantages = compute_advantages(rewards, labels, p.estimator, [c for _, c in flags])
+            for s, a in zip(sequences, advantages):
+                s.advantage = float(a)
+            update = self.learner.update(trained)
+            sync_started = time.perf_counter()
+            self.workers.load_weights(self.learner.state_dict())
+            timing["sync"] = time.perf_counter() - sync_started
+        else:
+            update = {"skipped_update": 1.0}
+        timing["update"] = time.perf_counter() - update_started - timing.get("sync", 0.0)
+
+        row: dict[str, Any] = {"step": step, "kind": "train", **rollout_metrics(everything)}
+        row.update({f"update/{k}": v for k, v in update.items()})
+        step_seconds = time.perf_counter() - started
+        processed = sum(len(s) for s in trained) * p.ppo_epochs
+        row.update(
+            {
+                "batch/groups": len(kept),
+                "batch/groups_dropped": timing["groups_seen"] - len(kept),
+                "batch/tries": timing["tries"],
+                "batch/trained_sequences": len(trained),
+                "batch/trained_tokens": sum(s.num_trained for s in trained),
+                "batch/over_turn_masked": sum(1 for t, (tr, _) in zip(batch, flags) if not tr and t.end_reason == "over_turn"),
+                "batch/vision_marker_masked": sum(1 for t in batch if wrote_vision_marker(t, self.inputs.vision_markers)),
+                "time/rollout": timing["rollout"],
+                "time/reward": timing["reward"],
+                "time/update": timing["update"],
+                "time/sync": timing.get("sync", 0.0),
+                "time/step": step_seconds,
+                "throughput/rollout_tokens_per_s": timing["generated_tokens"] / max(timing["rollout"], 1e-9),
+                "throughput/update_tokens_per_s": processed / max(timing["update"], 1e-9) if trained else 0.0,
+                "stream/position": self.stream.position,
+            }
+        )
+        return row
+
+    # --- validation, samples, checkpoints -------------------------------------------------------------------
+
+    def validate(self, step: int) -> dict[str, Any]:
+        i, p = self.inputs, self.params
+        trajectories = self.workers.rollout_on_first(
+            i.val, p.val_samples, derive_seed(i.seed, step, VAL_SEED_TAG), i.max_turns, i.rollout.max_new_tokens
+        )
+        for t, rewards in zip(trajectories, self.reward.score(trajectories)):
+            t.rewards = rewards
+        summary = summarize(trajectories, [i.max_turns])
+        totals = [float(t.rewards["total"]) for t in trajectories if t.rewards.get("total") is not None]
+        return {
+            "step": step,
+            "kind": "val",
+            "val/accuracy": summary["accuracy"],
+            "val/reward": mean(totals) if totals else None,
+            "val/mean_turns": summary["mean_turns"],
+            "val/valid_turn_rate": summary["valid_turn_rate"],
+            "val/answered": summary["end_reasons"]["answered"],
+            "val/over_turn": summary["end_reasons"]["over_turn"],
+            "val/questions": summary["questions"],
+        }
+
+    def _checkpoint(self, step: int) -> None:
+        state = {"stream_position": self.stream.position, "seed": self.inputs.seed}
+        ckpt.save_checkpoint(
+            self.out_dir, step, self.learner.state_dict(), self.learner.optimizer_state(), state, self.params.keep_checkpoints
+        )
+
+    def _due(self, every: int, step: int) -> bool:
+        return bool(every) and (step % every == 0 or step == self.params.steps)
+
+    # --- the run --------------------------------------------------------------------------------------------
+
+    def run_loop(self) -> dict[str, Any]:
+        """Train from the last checkpoint (or the start) to rl.steps; returns the contents of metrics.json."""
+        p = self.params
+        run_started = time.perf_counter()
+        self._start()
+        try:
+            bar = tqdm(total=p.steps, initial=self.step, desc="rl", unit="step", disable=not self.progress)
+            for step in range(self.step + 1, p.steps + 1):
+                row = self.train_step(step)
+                self._record(row)
+                if self._due(p.val_every, step):
+                    self._record(self.validate(step))
+                if self._due(p.sample_trajectories_every, step):
+                    render_html(self.last_batch, self.out_dir / "samples" / f"step_{step:06d}.html",
+                                title=f"rl step {step}", max_trajectories=p.viewer_trajectories)
+                if self._due(p.checkpoint_every, step):
+                    self._checkpoint(step)
+                self.step = step
+                bar.set_postfix(reward=_fmt(row.get("reward/mean")), acc=_fmt(row.get("reward/accuracy")))
+                bar.update(1)
+            bar.close()
+            with atomic_directory(self.out_dir / "model") as tmp:
+                self.learner.save_pretrained(tmp, self.inputs.model_path)
+                _readable(tmp)
+            if self.last_batch or not (self.out_dir / "viewer.html").exists():
+                render_html(self.last_batch, self.out_dir / "viewer.html", title=f"rl step {self.step}",
+                            max_trajectories=p.viewer_trajectories)
+        finally:
+            self._stop()
+        metrics = self._final_metrics(time.perf_counter() - run_started)
+        atomic_write_json(self.out_dir / "metrics.json", metrics)
+        write_plots(self.log.rows, self.out_dir)
+        return metrics
+
+    def _record(self, row: dict[str, Any]) -> None:
+        self.log.append(row)
+        self.run.log_metrics({k: v for k, v in row.items() if k not in ("step", "kind") and v is not None}, step=row["step"])
+
+    def _final_metrics(self, seconds: float) -> dict[str, Any]:
+        train = [r for r in self.log.rows if r.get("kind") == "train"]
+        val = [r for r in self.log.rows if r.get("kind") == "val"]
+        keys = ("reward/mean", "reward/accuracy", "rollout/turns", "rollout/over_turn_rate", "rollout/response_length",
+                "update/entropy", "update/kl", "update/clip_frac", "update/grad_norm")
+        accuracies = [r["val/accuracy"] for r in val if r.get("val/accuracy") is not None]
+        return {
+            "steps": self.step,
+            "first": {k: train[0].get(k) for k in keys} if train else {},
+            "last": {k: train[-1].get(k) for k in keys} if train else {},
+            "val": {k: v for k, v in val[-1].items() if k.startswith("val/")} if val else {},
+            "best_val_accuracy": max(accuracies) if accuracies else None,
+            "mean_step_seconds": mean(r["time/step"] for r in train) if train else None,
+            "seconds_this_run": round(seconds, 2),
+        }
+
+
+def _readable(folder: Path) -> None:
+    """Ordinary modes for the saved model: transformers writes the weights through a private (0600) temporary
+    file, and a container's user or a shared DVC cache must be able to read them."""
+    for path in folder.rglob("*"):
+        path.chmod(DIR_MODE if path.is_dir() else FILE_MODE)
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"

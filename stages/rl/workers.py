@@ -1,0 +1,396 @@
+"""The rl stage's actors: rollout workers, the reward pool, and the sharded learner group, on Ray or in-process.
+
+- `RolloutWorker` owns one rollout engine (`loupe.rollout.make_engine`: transformers on CPU, vLLM on GPU) and
+  runs the shared multi-turn loop (`loupe.rollout.run_rollouts`) on its share of a step's prompts. Before each
+  rollout it reseeds torch from (seed, step, try, worker), so rollouts are a function of the weights and the
+  seed. `load_weights` takes the learner's full state dict after each update; on Ray it arrives through the
+  object store (one `ray.put`, every worker reads the same object).
+- `RewardPool` scores finished trajectories with `loupe.rewards.score_trajectory` (or a custom function):
+  rules inline, LLM-judge calls on a thread pool so they overlap, answers cached by the judge.
+- `LearnerGroup` runs one `Learner` per GPU under a torch.distributed process group (NCCL on GPU, gloo on
+  CPU) with the policy sharded by FSDP2; it hands each rank a share of the batch and returns rank 0's answer.
+
+`WorkerSet` and `RewardService` give the trainer one interface whether the actors are Ray actors or plain
+objects in this process (`rl.ray.enabled: false`, used by the fast tests), so both paths run the same code.
+Ray: `RAY_ADDRESS` (or the variable `rl.ray.address_env` names) joins an existing cluster; otherwise a local
+Ray starts with this machine's CPUs and no dashboard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loupe.config import ProtocolParams, RolloutParams
+from loupe.data.tasks import TaskRecord
+from loupe.rewards import RewardConfig, build_judge, load_custom_reward, score_trajectory
+from loupe.rollout import Engine, RolloutStats, make_engine, run_rollouts
+from loupe.trajectory import Trajectory
+from stages.rl.params import RayParams, RLParams
+
+
+def start_ray(params: RayParams) -> bool:
+    """Join the cluster the address variable names, or start a local one; True when this call started Ray."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    # Actors on other nodes do not inherit this shell: pass on the settings that change what they do.
+    passed = {k: v for k, v in os.environ.items() if k in _PASSED_ENV or k.startswith(("LOUPE_", "MLFLOW_"))}
+    address = os.environ.get(params.address_env)
+    if address:
+        ray.init(address=address, ignore_reinit_error=True, runtime_env={"env_vars": passed})
+    else:
+        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, ignore_reinit_error=True,
+                 runtime_env={"env_vars": passed})
+    return True
+
+
+_PASSED_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM", "HF_HOME")
+"""Passed to actors; secrets (a judge's API key) are not: set them in the environment of `ray start` on each node."""
+
+
+class RolloutWorker:
+    """One rollout engine and the shared rollout loop."""
+
+    def __init__(
+        self,
+        model_path: str,
+        rollout: RolloutParams,
+        protocol: ProtocolParams,
+        image_root: str,
+        seed: int = 0,
+        index: int = 0,
+    ):
+        self.protocol = protocol
+        self.image_root = image_root
+        self.index = index
+        self.engine = make_engine(rollout, protocol, model_path=model_path, seed=seed)
+        if type(self.engine).trace is Engine.trace:  # the base class's: this engine keeps no token ids
+            raise ValueError(f"rl: the {rollout.engine} engine keeps no token trace; use transformers or vllm")
+
+    def rollout(
+        self, tasks: list[TaskRecord], samples: int, seed: int, max_turns: int, max_new_tokens: int
+    ) -> tuple[list[Trajectory], RolloutStats]:
+        """`samples` trajectories per task, sampled from a generator seeded with `seed`."""
+        torch.manual_seed(seed)
+        if self.engine.name == "vllm":
+            # VLLMEngine passes its seed to every request, which would make the n samples of a prompt identical
+            # (a group with no spread); None samples each request from vLLM's own generator, seeded once at start.
+            self.engine.seed = None
+        stats = RolloutStats()
+        if not tasks:
+            return [], stats
+        trajectories = run_rollouts(
+            tasks, self.engine, self.protocol, self.image_root, samples, max_turns, max_new_tokens, stats=stats
+        )
+        return trajectories, stats
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Take the learner's latest weights."""
+        engine = self.engine
+        if engine.name == "vllm":
+            # vLLM 0.33: every model worker loads the named tensors; cached prefixes were computed with the
+            # old weights and must go. GPU-only path (tests marked gpu).
+            def _load(worker: Any, items: list[tuple[str, torch.Tensor]]) -> None:
+                worker.model_runner.model.load_weights(weights=items)
+
+            engine.llm.collective_rpc(_load, args=(list(state.items()),))
+            engine.llm.reset_prefix_cache()
+            return
+        engine.model.load_state_dict(state)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def _strip(trajectory: Trajectory) -> Trajectory:
+    """A copy without the token trace and crops: what the reward pool needs, cheap to send."""
+    return dataclasses.replace(trajectory, trace=None, pending={})
+
+
+class RewardPool:
+    """Scores trajectories: rules inline, LLM-judge calls concurrently (and cached by the judge)."""
+
+    def __init__(self, cfg: RewardConfig, custom_reward: str | None = None, concurrency: int = 8):
+        self.cfg = cfg
+        self.judge = build_judge(cfg)
+        self.concurrency = concurrency
+        self.custom = load_custom_reward(custom_reward) if custom_reward else None
+        wrapped = getattr(self.custom, "__wrapped__", None)
+        self.custom_takes_trajectory = False
+        if wrapped is not None:
+            parameters = inspect.signature(wrapped).parameters
+            self.custom_takes_trajectory = "trajectory" in parameters or any(
+                p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()
+            )
+
+    def _score_one(self, trajectory: Trajectory) -> dict[str, Any]:
+        if self.custom is None:
+            return score_trajectory(trajectory, self.cfg, self.judge).to_dict()
+        assistant = [turn.text for turn in trajectory.turns if turn.role == "assistant"]
+        kwargs: dict[str, Any] = {
+            "task": TaskRecord.model_validate(trajectory.task),
+            "answer": trajectory.answer,
+            "end_reason": trajectory.end_reason or "format_error",
+            "num_tool_calls": trajectory.num_tool_calls,
+            "num_format_errors": trajectory.num_format_errors,
+            "has_think": bool(assistant) and all("<think>" in t and "</think>" in t for t in assistant),
+            "cfg": self.cfg,
+            "judge": self.judge,
+        }
+        if self.custom_takes_trajectory:
+            kwargs["trajectory"] = trajectory
+        return self.custom(**kwargs).to_dict()
+
+    def score(self, trajectories: list[Trajectory]) -> list[dict[str, Any]]:
+        """Reward parts of each trajectory, in order."""
+        if self.judge is None or len(trajectories) <= 1:
+            return [self._score_one(t) for t in trajectories]
+        with ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="reward") as pool:
+            return list(pool.map(self._score_one, trajectories))
+
+
+# --- one interface over Ray actors and local objects -------------------------------------------------------
+
+
+def _chunks(items: list[Any], parts: int) -> list[list[Any]]:
+    size, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + size + (1 if i < extra else 0)
+        out.append(items[start:end])
+        start = end
+    return out
+
+
+class WorkerSet:
+    """The rollout workers: splits a step's prompts among them and gathers the trajectories in order."""
+
+    def __init__(
+        self,
+        model_path: str,
+        rollout: RolloutParams,
+        protocol: ProtocolParams,
+        image_root: str,
+        params: RLParams,
+        seed: int,
+        use_ray: bool,
+    ):
+        self.use_ray = use_ray
+        args = (model_path, rollout, protocol, str(image_root), seed)
+        if use_ray:
+            import ray
+
+            actor = ray.remote(RolloutWorker).options(
+                num_cpus=params.ray.cpus_per_worker, num_gpus=params.ray.gpus_per_worker
+            )
+            self.workers = [actor.remote(*args, index=i) for i in range(params.ray.num_workers)]
+        else:
+            self.workers = [RolloutWorker(*args, index=i) for i in range(params.ray.num_workers)]
+
+    def _call(self, calls: list[tuple[Any, str, tuple]]) -> list[Any]:
+        if self.use_ray:
+            import ray
+
+            return ray.get([getattr(worker, method).remote(*args) for worker, method, args in calls])
+        return [getattr(worker, method)(*args) for worker, method, args in calls]
+
+    def rollout(
+        self, tasks: list[TaskRecord], samples: int, seeds: list[int], max_turns: int, max_new_tokens: int
+    ) -> tuple[list[Trajectory], RolloutStats]:
+        """Every task's `samples` trajectories, task order kept; worker i samples with `seeds[i]`."""
+        shares = _chunks(tasks, len(self.workers))
+        results = self._call(
+            [(w, "rollout", (share, samples, seeds[i], max_turns, max_new_tokens)) for i, (w, share) in enumerate(zip(self.workers, shares))]
+        )
+        trajectories: list[Trajectory] = []
+        total = RolloutStats()
+        for found, stats in results:
+            trajectories += found
+            for field in dataclasses.fields(RolloutStats):
+                setattr(total, field.name, getattr(total, field.name) + getattr(stats, field.name))
+        return trajectories, total
+
+    def rollout_on_first(
+        self, tasks: list[TaskRecord], samples: int, seed: int, max_turns: int, max_new_tokens: int
+    ) -> list[Trajectory]:
+        """All of `tasks` on worker 0 (validation)."""
+        [(trajectories, _)] = self._call([(self.workers[0], "rollout", (tasks, samples, seed, max_turns, max_new_tokens))])
+        return trajectories
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        if self.use_ray:
+            import ray
+
+            ref = ray.put(state)  # one copy in the object store, read by every worker on this node
+            self._call([(w, "load_weights", (ref,)) for w in self.workers])
+        else:
+            self._call([(w, "load_weights", (state,)) for w in self.workers])
+
+    def close(self) -> None:
+        if self.use_ray:
+            import ray
+
+            for worker in self.workers:
+                ray.kill(worker)
+        else:
+            for worker in self.workers:
+                worker.close()
+
+
+class RewardService:
+    """The reward pool, as a Ray actor or in-process; sends trajectories without their traces."""
+
+    def __init__(self, params: RLParams, use_ray: bool):
+        custom = None
+        if params.custom_reward:  # absolute, so an actor with another working directory finds the file
+            path, _, name = params.custom_reward.rpartition(":")
+            custom = f"{Path(path).resolve()}:{name}"
+        reward = params.reward
+        if reward.judge is not None and reward.judge.cache_dir:  # absolute, for the same reason
+            judge = reward.judge.model_copy(update={"cache_dir": str(Path(reward.judge.cache_dir).resolve())})
+            reward = reward.model_copy(update={"judge": judge})
+        args = (reward, custom, params.ray.reward_concurrency)
+        self.use_ray = use_ray
+        if use_ray:
+            import ray
+
+            self.pool = ray.remote(RewardPool).options(num_cpus=0.1).remote(*args)
+        else:
+            self.pool = RewardPool(*args)
+
+    def score(self, trajectories: list[Trajectory]) -> list[dict[str, Any]]:
+        light = [_strip(t) for t in trajectories]
+        if self.use_ray:
+            import ray
+
+            return ray.get(self.pool.score.remote(light))
+        return self.pool.score(light)
+
+
+# --- the sharded learner -----------------------------------------------------------------------------------
+
+
+def free_address() -> tuple[str, int]:
+    """This node's address and a free TCP port, for the process group's rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        port = sock.getsockname()[1]
+    try:
+        import ray
+
+        host = ray.util.get_node_ip_address()
+    except (ImportError, RuntimeError, OSError):  # not inside Ray: a single-node group
+        host = "127.0.0.1"
+    return host, port
+
+
+class LearnerRank:
+    """One rank of the learner group: joins the process group, then owns a sharded `Learner`."""
+
+    def __init__(self, rank: int, world: int):
+        self.rank, self.world = rank, world
+        self.learner: Any = None
+
+    def address(self) -> tuple[str, int]:
+        return free_address()
+
+    def setup(self, host: str, port: int, model_path: str, params: RLParams, temperature: float, budget: int) -> None:
+        from stages.rl.learner import Learner
+
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
+        cuda = torch.cuda.is_available()
+        torch.distributed.init_process_group("nccl" if cuda else "gloo", rank=self.rank, world_size=self.world)
+        if cuda:  # Ray shows each rank only its own GPU
+            torch.cuda.set_device(0)
+        self.learner = Learner(model_path, params, temperature, budget, device="cuda" if cuda else "cpu", distributed=True)
+
+    def call(self, method: str, *args: Any) -> Any:
+        return getattr(self.learner, method)(*args)
+
+
+class LearnerGroup:
+    """`world` learner ranks as Ray actors, used exactly like a single `Learner`."""
+
+    def __init__(self, model_path: str, params: RLParams, temperature: float, budget: int, world: int, gpus: float = 1.0):
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.world = world
+        bundle = {"CPU": 1, "GPU": gpus} if gpus else {"CPU": 0.5}
+        # Placement declared from the GPU layout: PACK puts ranks on as few nodes as fit (fast NVLink first).
+        self.placement = placement_group([bundle] * world, strategy="PACK")
+        ray.get(self.placement.ready())
+        actor = ray.remote(LearnerRank)
+        self.ranks = [
+            actor.options(
+                num_cpus=bundle["CPU"],
+                num_gpus=gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=r),
+            ).remote(r, world)
+            for r in range(world)
+        ]
+        host, port = ray.get(self.ranks[0].address.remote())
+        ray.get([rank.setup.remote(host, port, model_path, params, temperature, budget) for rank in self.ranks])
+
+    def _all(self, method: str, *per_rank_args: Any, same: tuple = ()) -> list[Any]:
+        import ray
+
+        calls = []
+        for r, rank in enumerate(self.ranks):
+            args = tuple(a[r] for a in per_rank_args) + same
+            calls.append(rank.call.remote(method, *args))
+        return ray.get(calls)
+
+    def _shares(self, sequences: list[Any]) -> list[list[Any]]:
+        return [sequences[r :: self.world] for r in range(self.world)]
+
+    @staticmethod
+    def _filler(sequences: list[Any]) -> list[Any]:
+        """A trained sequence every rank can run with zero weight to keep the collectives in step."""
+        return next(([s] for s in sequences if s.num_trained), [])
+
+    def logprobs(self, sequences: list[Any], reference: bool = False) -> list[torch.Tensor]:
+        shares, filler = self._shares(sequences), self._filler(sequences)
+        results = self._all("logprobs", shares, [filler] * self.world, same=(reference,))
+        out: list[Any] = [None] * len(sequences)
+        for r, found in enumerate(results):
+            for i, value in zip(range(r, len(sequences), self.world), found):
+                out[i] = value
+        return out
+
+    def update(self, sequences: list[Any]) -> dict[str, float]:
+        shares, filler = self._shares(sequences), self._filler(sequences)
+        return self._all("update", shares, [filler] * self.world)[0]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self._all("state_dict")[0]
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self._all("load_state_dict", same=(state,))
+
+    def optimizer_state(self) -> bytes:
+        return self._all("optimizer_state")[0]
+
+    def load_optimizer_state(self, data: bytes) -> None:
+        self._all("load_optimizer_state", same=(data,))
+
+    def save_pretrained(self, out_dir: Path, model_path: str | Path) -> None:
+        self._all("save_pretrained", same=(out_dir, model_path))
+
+    def close(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for rank in self.ranks:
+            ray.kill(rank)
+        remove_placement_group(self.placement)

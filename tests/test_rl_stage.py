@@ -1,0 +1,226 @@
+"""The rl stage end to end on the tiny model: learning, resume after a crash, Ray actors, outputs, tracking.
+
+The learning test trains a randomly initialised tiny model on choice questions whose right letter is always
+B, with a reward for responses containing the letter (tests/rl_toy_reward.py): chance is about 0.1, and GRPO
+must lift the mean reward to 0.9 or more, which it only does if the gradient has the right sign and the mask
+selects the sampled tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from rl_helpers import make_toy_tasks, one_torch_thread, write_params  # noqa: F401 (autouse fixture)
+from safetensors.torch import load_file
+
+from stages.rl import __main__ as rl_main
+from stages.rl.trainer import Trainer, read_inputs
+
+
+@pytest.fixture(scope="module")
+def toy_dir(tmp_path_factory):
+    return make_toy_tasks(tmp_path_factory.mktemp("toy"))
+
+
+def _train(params: Path, model: Path, tasks: Path, out: Path, **kw) -> dict:
+    return rl_main.train(params, model, tasks, out, progress=False, **kw)
+
+
+def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    [file] = list(Path(model_dir).glob("*.safetensors"))
+    return load_file(str(file))
+
+
+def _assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name, tensor in a.items():
+        assert torch.equal(tensor, b[name]), name
+
+
+def _rows(out: Path, kind: str = "train") -> list[dict]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["kind"] == kind]
+
+
+def test_grpo_learns_the_toy_task_from_chance(tiny_model_dir, toy_dir, tmp_path):
+    params = write_params(
+        tmp_path / "params.yaml",
+        {"steps": 30, "prompts_per_step": 4, "samples_per_prompt": 8, "dynamic_sampling": {"enabled": True, "max_tries": 2},
+         "checkpoint_every": 100},
+    )
+    metrics = _train(params, tiny_model_dir, toy_dir, tmp_path / "out")
+    rewards = [row["reward/mean"] for row in _rows(tmp_path / "out")]
+    assert len(rewards) == 30
+    assert rewards[0] <= 0.35, rewards  # chance: about one random 4-token response in ten holds a "B"
+    assert min(rewards[-3:]) >= 0.9, rewards
+    assert metrics["last"]["reward/mean"] >= 0.9
+    # the learnt policy is a loadable Hugging Face model that differs from the start
+    start, learnt = _weights(tiny_model_dir), _weights(tmp_path / "out" / "model")
+    assert any(not torch.equal(start[k], learnt[k]) for k in start)
+
+
+def test_a_crashed_run_resumes_to_the_same_weights_and_metrics(tiny_model_dir, toy_dir, tmp_path, monkeypatch):
+    params = write_params(tmp_path / "params.yaml", {"steps": 4, "checkpoint_every": 2, "dynamic_sampling": {"enabled": True, "max_tries": 2}})
+    _train(params, tiny_model_dir, toy_dir, tmp_path / "straight")
+
+    real_step = Trainer.train_step
+
+    def crash_at_step_3(self, step):
+        if step == 3:
+            raise RuntimeError("simulated crash")
+        return real_step(self, step)
+
+    monkeypatch.setattr(Trainer, "train_step", crash_at_step_3)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        _train(params, tiny_model_dir, toy_dir, tmp_path / "resumed")
+    assert not (tmp_path / "resumed" / "model").exists()
+    assert [p.name for p in (tmp_path / "resumed" / "checkpoints").iterdir()] == ["step_000002"]
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+    _train(params, tiny_model_dir, toy_dir, tmp_path / "resumed")
+
+    _assert_same_weights(_weights(tmp_path / "straight" / "model"), _weights(tmp_path / "resumed" / "model"))
+    straight, resumed = _rows(tmp_path / "straight"), _rows(tmp_path / "resumed")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for key in ("reward/mean", "update/grad_norm", "stream/position", "batch/tries"):
+        assert [r.get(key) for r in straight] == [r.get(key) for r in resumed], key
+
+
+def test_the_ray_actor_path_trains_exactly_like_the_in_process_one(tiny_model_dir, toy_dir, tmp_path):
+    """Rollouts in a Ray worker, rewards in a Ray reward pool, weights through the object store: the same
+    seeds give the same trajectories, so two steps end on the same weights as without Ray (a worker that
+    missed the weight sync would sample its second step from the old policy)."""
+    local = write_params(tmp_path / "local.yaml", {"steps": 2})
+    on_ray = write_params(tmp_path / "ray.yaml", {"steps": 2, "ray": {"enabled": True, "num_workers": 1}})
+    _train(local, tiny_model_dir, toy_dir, tmp_path / "local")
+    metrics = _train(on_ray, tiny_model_dir, toy_dir, tmp_path / "ray")
+    assert metrics["steps"] == 2
+    _assert_same_weights(_weights(tmp_path / "local" / "model"), _weights(tmp_path / "ray" / "model"))
+    assert [r["reward/mean"] for r in _rows(tmp_path / "local")] == [r["reward/mean"] for r in _rows(tmp_path / "ray")]
+
+
+def test_outputs_tracking_validation_kl_and_eval(tiny_model_dir, toy_dir, tmp_path, monkeypatch):
+    """One small run with everything on: MLflow, validation, sample pages, KL to a reference; then the eval
+    stage scores the model it leaves."""
+    monkeypatch.setenv("LOUPE_TRACKING", "on")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("LOUPE_WORK", str(tmp_path))
+    params = write_params(
+        tmp_path / "params.yaml",
+        {"steps": 2, "val_every": 1, "val_prompts": 2, "sample_trajectories_every": 2, "kl": {"coef": 0.05},
+         "entropy_coef": 0.01, "reward": {"accuracy_weight": 1.0}, "custom_reward": None},
+        protocol={"name": "mini_o3", "max_turns": 2},
+        rollout={"max_new_tokens": 6},
+    )
+    out = tmp_path / "out"
+    metrics = _train(params, tiny_model_dir, toy_dir, out)
+
+    train, val = _rows(out), _rows(out, "val")
+    assert [r["step"] for r in train] == [1, 2] and [r["step"] for r in val] == [1, 2]
+    for key in ("reward/mean", "reward/accuracy", "reward/format", "rollout/turns", "rollout/over_turn_rate",
+                "rollout/response_length", "end_reason/answered", "end_reason/length", "update/kl", "update/entropy",
+                "update/clip_frac", "update/grad_norm", "time/rollout", "time/update", "throughput/rollout_tokens_per_s"):
+        assert train[-1].get(key) is not None, key
+    assert val[-1]["val/accuracy"] is not None and val[-1]["val/questions"] == 2
+    assert (out / "samples" / "step_000002.html").is_file() and (out / "viewer.html").is_file()
+    plot_points = json.loads((out / "plots" / "train.json").read_text())
+    assert [p["step"] for p in plot_points] == [1, 2] and "reward_mean" in plot_points[0]
+    assert json.loads((out / "plots" / "val.json").read_text())[0]["accuracy"] is not None
+    assert (out / "plots" / "reward.png").stat().st_size > 0
+    assert metrics["steps"] == 2 and json.loads((out / "metrics.json").read_text()) == metrics
+
+    import mlflow
+
+    client = mlflow.tracking.MlflowClient()
+    [run] = client.search_runs(client.get_experiment_by_name("loupe").experiment_id)
+    assert run.data.tags["loupe.stage"] == "rl"
+    history = client.get_metric_history(run.info.run_id, "reward/mean")
+    assert sorted(m.step for m in history) == [1, 2]
+    assert {m.step for m in client.get_metric_history(run.info.run_id, "val/accuracy")} == {1, 2}
+    for key in ("update/kl", "update/entropy", "update/clip_frac", "update/grad_norm", "time/update"):
+        assert client.get_metric_history(run.info.run_id, key), key
+
+    from stages.eval.__main__ import evaluate
+
+    eval_params = yaml.safe_load(params.read_text())
+    eval_params["eval"] = {"benchmarks": [{"name": "synthetic", "path": str(toy_dir / "val.jsonl")}], "samples": 1, "max_turns": 2}
+    (tmp_path / "eval.yaml").write_text(yaml.safe_dump(eval_params))
+    monkeypatch.setenv("LOUPE_TRACKING", "off")
+    scored = evaluate(tmp_path / "eval.yaml", out / "model", tmp_path / "eval", progress=False)
+    assert scored["benchmarks"]["synthetic"]["questions"] == 4
+
+
+def test_bad_inputs_exit_2_naming_the_problem(tiny_model_dir, toy_dir, tmp_path, capsys):
+    params = write_params(tmp_path / "params.yaml", {})
+    assert rl_main.main(["--params", str(params), "--model", str(tiny_model_dir), "--tasks", str(tmp_path / "none"),
+                         "--out", str(tmp_path / "out")]) == 2
+    assert "train.jsonl: task file not found" in capsys.readouterr().err
+
+    bad = yaml.safe_load(params.read_text())
+    bad["rl"]["clip_hgh"] = 0.3
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(bad))
+    assert rl_main.main(["--params", str(tmp_path / "bad.yaml"), "--model", str(tiny_model_dir), "--tasks", str(toy_dir),
+                         "--out", str(tmp_path / "out")]) == 2
+    assert "rl.clip_hgh" in capsys.readouterr().err
+
+    bad = yaml.safe_load(params.read_text())
+    bad["rollout"]["engine"] = "openai"
+    (tmp_path / "openai.yaml").write_text(yaml.safe_dump(bad))
+    assert rl_main.main(["--params", str(tmp_path / "openai.yaml"), "--model", str(tiny_model_dir), "--tasks", str(toy_dir),
+                         "--out", str(tmp_path / "out")]) == 2
+    assert "rollout.engine" in capsys.readouterr().err
+
+    with open(toy_dir / "train.jsonl") as f:
+        first = json.loads(f.readline())
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "train.jsonl").write_text(json.dumps({**first, "images": ["images/missing.png"]}) + "\n")
+    assert rl_main.main(["--params", str(params), "--model", str(tiny_model_dir), "--tasks", str(broken),
+                         "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "train.jsonl:1" in err and "images.0" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_read_inputs_applies_rl_overrides(tiny_model_dir, toy_dir, tmp_path):
+    params = write_params(tmp_path / "params.yaml", {"temperature": 0.7, "max_new_tokens": 9, "max_turns": 3})
+    inputs = read_inputs(params, tiny_model_dir, toy_dir)
+    assert inputs.rollout.temperature == 0.7 and inputs.rollout.max_new_tokens == 9
+    assert inputs.max_turns == 3 and inputs.generation_budget == 27
+    assert os.fspath(inputs.tasks_dir) == os.fspath(toy_dir)
+
+
+@pytest.mark.slow  # three model loads in two fresh processes: about 30 s on 2 cores; the crash test above is the fast twin
+def test_a_sigkilled_process_resumes_to_the_same_weights(tiny_model_dir, toy_dir, tmp_path):
+    """A real kill (SIGKILL, no clean-up of any kind) after the step-2 checkpoint; the rerun resumes from
+    the newest complete checkpoint and ends on exactly the weights of a run that was never interrupted."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    params = write_params(tmp_path / "params.yaml", {"steps": 8, "checkpoint_every": 2})
+    _train(params, tiny_model_dir, toy_dir, tmp_path / "straight")
+
+    out = tmp_path / "killed"
+    command = [sys.executable, "-m", "stages.rl", "--params", str(params), "--model", str(tiny_model_dir),
+               "--tasks", str(toy_dir), "--out", str(out), "--no-progress"]
+    env = {**os.environ, "LOUPE_TRACKING": "off"}
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not (out / "checkpoints" / "step_000002" / "state.json").exists():
+        assert process.poll() is None, process.stderr.read().decode()[-2000:]
+        assert time.monotonic() < deadline, "no checkpoint within 120 s"
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    assert process.wait() == -signal.SIGKILL
+    assert not (out / "model").exists()  # it really died mid-run
+
+    resumed = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    _assert_same_weights(_weights(tmp_path / "straight" / "model"), _weights(out / "model"))
+    assert [r["reward/mean"] for r in _rows(tmp_path / "straight")] == [r["reward/mean"] for r in _rows(out)]
