@@ -100,6 +100,11 @@ class TokenContextEngine(Engine):
         end_ids.add(self.tokenizer.eos_token_id)
         self.end_ids = sorted(i for i in end_ids if isinstance(i, int) and i >= 0 and i != self.tokenizer.unk_token_id)
         self._last_prompt: tuple | None = None
+        # A sampled image or video marker would claim an image that does not exist: the next turn's forward
+        # pass fails ("image features and image tokens do not match"). No engine lets the model write them.
+        markers = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+        ids = {self.tokenizer.convert_tokens_to_ids(m) for m in markers}
+        self.suppressed = sorted(i for i in ids if isinstance(i, int) and i >= 0 and i != self.tokenizer.unk_token_id)
 
     # --- building the context -------------------------------------------------------------------------------
 
@@ -177,10 +182,6 @@ class TransformersEngine(TokenContextEngine):
         # image tokens; without it generation silently falls back to 1D positions, unlike training and vLLM.
         self.image_token_id = getattr(model.config, "image_token_id", None)
         self.types_image_tokens = "mm_token_type_ids" in inspect.signature(model.forward).parameters
-        # A sampled image or video marker would claim an image that does not exist: the next turn's forward
-        # pass fails ("image features and image tokens do not match"). The model may never write them.
-        markers = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-        self.suppressed = sorted({i for i in (getattr(model.config, m, None) for m in markers) if isinstance(i, int)})
         torch.manual_seed(seed)
 
     def generate(self, states: list[_State], max_new_tokens: int) -> list[Generation]:

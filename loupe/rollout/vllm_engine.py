@@ -27,7 +27,7 @@ class VLLMEngine(TokenContextEngine):
         stop: tuple[str, ...] = (),
         temperature: float = 1.0,
         top_p: float = 1.0,
-        seed: int = 0,
+        seed: int | None = 0,
         max_images: int = 12,
         max_context_tokens: int = 8192,
         gpu_memory_utilization: float = 0.85,
@@ -47,6 +47,7 @@ class VLLMEngine(TokenContextEngine):
             gpu_memory_utilization=gpu_memory_utilization,
         )
         self.image_pad_id = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        self._requests = 0
 
     def _collapse_image_pads(self, ids: list[int]) -> list[int]:
         out: list[int] = []
@@ -60,17 +61,25 @@ class VLLMEngine(TokenContextEngine):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            max_tokens=max_new_tokens,
-            stop=list(self.stop) or None,
-            stop_token_ids=self.end_ids,
-            include_stop_str_in_output=True,
-            skip_special_tokens=True,
-            logprobs=0,
-            seed=self.seed,
-        )
+        params = []
+        for _ in states:
+            # One seed per request, drawn in the loop's order: the K samples of a task differ, and a rerun with
+            # the same seed repeats them.
+            self._requests += 1
+            params.append(
+                SamplingParams(
+                    temperature=self.temperature,
+                    top_p=self.top_p,
+                    max_tokens=max_new_tokens,
+                    stop=list(self.stop) or None,
+                    stop_token_ids=self.end_ids,
+                    include_stop_str_in_output=True,
+                    skip_special_tokens=True,
+                    logprobs=0,
+                    seed=None if self.seed is None else self.seed * 1_000_003 + self._requests,
+                    logit_bias={token: -100.0 for token in self.suppressed} or None,
+                )
+            )
         prompts = []
         for state in states:
             prompt: dict[str, Any] = {"prompt_token_ids": self._collapse_image_pads(state.trace.input_ids)}

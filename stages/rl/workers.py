@@ -82,9 +82,9 @@ class RolloutWorker:
         """`samples` trajectories per task, sampled from a generator seeded with `seed`."""
         torch.manual_seed(seed)
         if self.engine.name == "vllm":
-            # VLLMEngine passes its seed to every request, which would make the n samples of a prompt identical
-            # (a group with no spread); None samples each request from vLLM's own generator, seeded once at start.
-            self.engine.seed = None
+            # vLLM samples from per-request seeds (distinct per sample) derived from the engine's seed: reseed it
+            # too, so a step's rollouts depend on (weights, seed) alone, as on the transformers engine.
+            self.engine.seed = seed
         stats = RolloutStats()
         if not tasks:
             return [], stats
