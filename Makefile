@@ -1,6 +1,6 @@
-# Loupe's two commands: `make run` (the pipeline on the embedded default) and `make test`.
-# Each creates or refreshes the virtual environment first when it is missing or out of date: the venv is
-# keyed on a hash of the pinned requirements and pyproject.toml, so editing either rebuilds it.
+# Loupe's commands: `make run` (the pipeline on the embedded default), `make ui` (MLflow's UI on its runs)
+# and `make test`. Each creates or refreshes the virtual environment first when it is missing or out of date:
+# the venv is keyed on a hash of the pinned requirements and pyproject.toml, so editing either rebuilds it.
 
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -12,16 +12,24 @@ STAMP := $(VENV)/.loupe-$(VENV_KEY)
 PARAMS ?= params.yaml
 WORK ?= work
 PYTEST_ARGS ?=
+UI_HOST ?= 127.0.0.1
+UI_PORT ?= 5000
 
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export PYTHONUNBUFFERED := 1
+export DVC_NO_ANALYTICS := 1
 
-.PHONY: run test test-slow venv lock clean
+.PHONY: run ui test test-slow venv lock clean
 
+# The Prefect flow over dvc.yaml: every stage DVC finds out of date, then a summary and where to look.
 run: $(STAMP)
-	$(VENV)/bin/loupe run --params $(PARAMS) --work $(WORK)
+	$(VENV)/bin/loupe run --params $(PARAMS)
+
+# MLflow's UI on the workspace's SQLite store (artefacts beside it, or where LOUPE_ARTIFACT_ROOT put them).
+ui: $(STAMP)
+	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(abspath $(WORK))/mlflow.db --host $(UI_HOST) --port $(UI_PORT)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
@@ -50,3 +58,11 @@ lock:
 
 clean:
 	rm -rf $(WORK) .pytest_cache .hypothesis
+
+# The stage images (containers/, docs/containers.md): podman on a locally bootstrapped base, offline from wheels
+# fetched first; installs podman, runc and debootstrap when missing. IMAGES picks some: make images IMAGES=eval
+IMAGES ?= synth sft rl eval
+.PHONY: images
+images: $(STAMP)
+	containers/setup-host.sh
+	containers/build.sh $(IMAGES)

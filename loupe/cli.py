@@ -1,9 +1,11 @@
 """`loupe`: the project's command line.
 
-    loupe run [--params params.yaml] [--work work]   build what is missing and run the pipeline on it
+    loupe run [--stages NAME ...] [--force]          the pipeline: Prefect flow over dvc.yaml, summary at the end
+    loupe remote                                     LOUPE_DVC_REMOTE (s3://...) as the default DVC remote
     loupe model tiny --out DIR [--seed N]            build the embedded tiny Qwen2.5-VL offline
     loupe data synthetic --out DIR [--params ...]    write the synthetic visual-search task set
     loupe view TRAJECTORIES.jsonl --out page.html    a self-contained HTML page of trajectories with crops
+    loupe stage NAME [--in-container] ARGS...        one stage, locally or in its image (LOUPE_CONTAINER)
 
 Each stage also runs alone: `python -m stages.eval --help`.
 """
@@ -15,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from loupe.config import ModelParams, ParamsError, load_section
+from loupe.config import ParamsError, load_section
 
 
 def _cmd_model_tiny(args: argparse.Namespace) -> int:
@@ -48,29 +50,47 @@ def _cmd_view(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    """The embedded pipeline so far: tiny model and tasks when missing, then eval of the base model."""
-    from loupe.data.synthetic import SyntheticConfig, generate_tasks
-    from loupe.models.tiny import build_tiny_model
-    from stages.eval.__main__ import evaluate
+    """The whole pipeline through the Prefect flow (DVC decides what runs), then where to look further."""
+    root = Path.cwd()
+    if not (root / "dvc.yaml").is_file():
+        raise FileNotFoundError(f"{root}: no dvc.yaml here; run `loupe run` from the repository root")
+    if Path(args.params).resolve() != (root / "params.yaml").resolve():
+        # dvc.yaml's stages read params.yaml (DVC tracks that file); another file would silently not count.
+        raise ParamsError(f"{args.params}: the pipeline reads params.yaml; copy this file over it "
+                          "(e.g. cp params/mini-o3-7b.yaml params.yaml) or use `dvc exp run -S key=value`")
+    # The flow and the stages come from this checkout (a clone beside the installed one runs its own code).
+    sys.path.insert(0, str(root))
+    from pipelines.dvc_runner import StageFailed
+    from pipelines.flow import loupe_pipeline
 
-    work = Path(args.work)
-    model = load_section(ModelParams, "model", args.params)
-    model_path = Path(model.path)
-    if not (model_path / "config.json").is_file():
-        if not model.build_tiny:
-            raise ParamsError(f"{args.params}: model.path: {model_path} has no model and model.build_tiny is false")
-        print(f"building the tiny model at {model_path}")
-        build_tiny_model(model_path, seed=model.tiny_seed)
-    data_dir = work / "data" / "tasks"
-    if not (data_dir / "test.jsonl").is_file():
-        print(f"writing synthetic tasks to {data_dir}")
-        generate_tasks(data_dir, load_section(SyntheticConfig, "data", args.params), progress=True)
-    metrics = evaluate(Path(args.params), model_path, work / "eval")
-    print(f"\nmodel: {model_path}\ntasks: {data_dir}")
-    for name, m in metrics["benchmarks"].items():
-        k = m["samples_per_question"]
-        print(f"{name}: avg@{k} = {m[f'avg@{k}']}, answered {m['end_reasons']['answered']:.0%}")
-    print(f"metrics: {work / 'eval' / 'metrics.json'}\ntrajectory viewer: {(work / 'eval' / 'viewer.html').resolve()}")
+    started = time.perf_counter()
+    try:
+        rows = loupe_pipeline(stages=args.stages, force=args.force, root=str(root))
+    except StageFailed as err:  # the summary above says which stage; its log tail says why
+        print(f"loupe: {err}", file=sys.stderr)
+        return 1
+    ran = [r["stage"] for r in rows if r["status"].startswith("ran")]
+    print(f"\n{len(rows)} stages in {time.perf_counter() - started:.0f} s; ran: {', '.join(ran) or 'none'}")
+    print("Look further:")
+    print("  dvc metrics show                 every stage's metrics (dvc plots show: the curves, as HTML)")
+    print("  make ui                          the MLflow UI on work/mlflow.db: the pipeline run and one child")
+    print("                                   run per stage, with lineage tags, data sets and artefacts")
+    for stage in ("eval", "rl", "synth"):
+        page = root / "work" / stage / "viewer.html"
+        if page.is_file():
+            print(f"  {stage} trajectories, turn by turn with every crop: {page.as_uri()}")
+    return 0
+
+
+def _cmd_remote(args: argparse.Namespace) -> int:
+    sys.path.insert(0, str(Path.cwd()))
+    from pipelines.dvc_runner import configure_remote_from_env
+
+    url = configure_remote_from_env(Path.cwd(), args.name)
+    if url is None:
+        raise ValueError("LOUPE_DVC_REMOTE is not set (e.g. s3://my-bucket/loupe/dvc); credentials and the "
+                         "endpoint come from the usual AWS variables")
+    print(f"DVC remote {args.name!r} -> {url} (default, in .dvc/config.local; credentials stay in the environment)")
     return 0
 
 
@@ -78,10 +98,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loupe", description="Train and evaluate VLMs that think with images.")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    run = commands.add_parser("run", help="run the pipeline on params.yaml's defaults")
-    run.add_argument("--params", default="params.yaml")
-    run.add_argument("--work", default="work", help="folder for everything the pipeline writes")
+    run = commands.add_parser("run", help="run the pipeline (Prefect flow over dvc.yaml) on params.yaml")
+    run.add_argument("--params", default="params.yaml", help="must be the repository's params.yaml (DVC reads it)")
+    run.add_argument("--stages", nargs="+", help="only these stages (and what they depend on)")
+    run.add_argument("--force", action="store_true", help="rerun the stages even when nothing changed")
     run.set_defaults(func=_cmd_run)
+
+    remote = commands.add_parser("remote", help="make LOUPE_DVC_REMOTE (s3://...) the default DVC remote")
+    remote.add_argument("--name", default="storage", help="the remote's name in .dvc/config.local")
+    remote.set_defaults(func=_cmd_remote)
 
     model = commands.add_parser("model", help="build models").add_subparsers(dest="kind", required=True)
     tiny = model.add_parser("tiny", help="build the embedded tiny Qwen2.5-VL offline")
@@ -100,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     view.add_argument("--out", type=Path, required=True)
     view.add_argument("--max", type=int, default=None, help="show at most this many trajectories")
     view.set_defaults(func=_cmd_view)
+
+    from loupe.containers import add_stage_command
+
+    add_stage_command(commands)
     return parser
 
 

@@ -1,0 +1,222 @@
+"""Running `llamafactory-cli` in a subprocess: its output streamed, its failure explained, its run resumable.
+
+- `launch` starts `python -m llamafactory.cli <command> <yaml>` with the interpreter running this stage (so
+  the stage's environment is LLaMA-Factory's), streams its output byte for byte to our console (progress bars
+  included) and to a log file, and on failure raises `TrainingFailed` holding the end of that output: the
+  traceback when there is one.
+- The child dies with us: a wrapper sets Linux's parent-death signal before exec'ing the command, so a stage
+  killed by a scheduler does not leave a trainer writing checkpoints behind it.
+- MLflow: the child reports through LLaMA-Factory's own `report_to: mlflow` (transformers' MLflowCallback),
+  into the stage's run, by `MLFLOW_TRACKING_URI` and `MLFLOW_RUN_ID` in its environment.
+- Resume: LLaMA-Factory resumes by itself from the last `checkpoint-N` in its output folder.
+  `prepare_train_dir` makes that safe: it keeps the folder only when it was written for the same config,
+  dataset and base model (a fingerprint file), removes a checkpoint cut off while being saved (the trainer
+  writes `trainer_state.json` last), and says whether there is anything left to train.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+FINGERPRINT_FILE = "loupe_fingerprint.json"
+CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+TAIL_BYTES = 64 * 1024
+ANSI = re.compile(rb"\x1b\[[0-9;?]*[A-Za-z]")
+
+# Sets the parent-death signal, then becomes the real command (the setting survives exec). Written as a
+# wrapper rather than a preexec_fn because forking a process with threads (MLflow, tokenizers) and running
+# Python code before exec can deadlock.
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "try:\n"
+    "    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
+    "except (OSError, AttributeError):\n"
+    "    pass\n"
+    "if os.getppid() == int(sys.argv[1]):\n"
+    "    os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+class TrainingFailed(RuntimeError):
+    """`llamafactory-cli` exited non-zero; the message holds the end of its output."""
+
+    def __init__(self, command: str, returncode: int, tail: str, log_path: Path):
+        how = f"was killed by signal {-returncode}" if returncode < 0 else f"failed (exit code {returncode})"
+        super().__init__(f"llamafactory-cli {command} {how}; its last output:\n{tail}\nfull log: {log_path}")
+        self.returncode = returncode
+        self.tail = tail
+
+
+def error_tail(output: bytes, max_lines: int = 30) -> str:
+    """The informative end of a run's output: from the last traceback on, else the last lines.
+
+    Progress bars redraw with carriage returns; only the last state of each line is kept.
+    """
+    text = ANSI.sub(b"", output).decode("utf-8", errors="replace")
+    lines = [line.rsplit("\r", 1)[-1].rstrip() for line in text.split("\n")]
+    lines = [line for line in lines if line.strip()]
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
+    if starts:
+        lines = lines[starts[-1] :]
+        if len(lines) > max_lines:  # keep the head of the traceback and its final error
+            lines = lines[:5] + ["  ..."] + lines[-(max_lines - 6) :]
+        return "\n".join(lines)
+    return "\n".join(lines[-max_lines:])
+
+
+def llamafactory_command(command: str, config: Path, overrides: dict[str, Any] | None = None) -> list[str]:
+    """`python -m llamafactory.cli <command> <yaml> key=value...` with this interpreter."""
+    extra = [f"{key}={value}" for key, value in (overrides or {}).items()]
+    return [sys.executable, "-m", "llamafactory.cli", command, str(config), *extra]
+
+
+def child_environment(run_id: str | None, tracking_uri: str | None, force_torchrun: bool = False) -> dict[str, str]:
+    """The subprocess's environment: ours, plus unbuffered output, MLflow's run, and torchrun when asked."""
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # torchrun (multi-GPU or DeepSpeed) must be found beside this interpreter.
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    for key in ("MLFLOW_RUN_ID", "MLFLOW_NESTED_RUN", "MLFLOW_EXPERIMENT_NAME"):
+        env.pop(key, None)
+    if run_id is not None:
+        env["MLFLOW_RUN_ID"] = run_id
+        if tracking_uri:
+            env["MLFLOW_TRACKING_URI"] = tracking_uri
+    if force_torchrun:
+        env["FORCE_TORCHRUN"] = "1"
+    return env
+
+
+def launch(args: list[str], env: dict[str, str], log_path: Path, console: BinaryIO | None = None) -> None:
+    """Run `args`, streaming its output to `console` and appending it to `log_path`; raise on failure."""
+    console = console if console is not None else sys.stdout.buffer
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    wrapped = [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *args]
+    tail = b""
+    with log_path.open("ab") as log:
+        log.write(("$ " + " ".join(args) + "\n").encode())
+        process = subprocess.Popen(wrapped, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+        try:
+            assert process.stdout is not None
+            while chunk := process.stdout.read1(65536):
+                console.write(chunk)
+                console.flush()
+                log.write(chunk)
+                tail = (tail + chunk)[-TAIL_BYTES:]
+            returncode = process.wait()
+        except BaseException:  # Ctrl-C or a stage time-out: stop the trainer too, then let it propagate
+            _stop(process)
+            raise
+    if returncode != 0:
+        command = args[3] if len(args) > 3 else "?"
+        raise TrainingFailed(command, returncode, error_tail(tail), log_path)
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+# --- the training folder: resume or start over --------------------------------------------------------------
+
+
+def _file_digest(path: Path, hasher: Any) -> None:
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            hasher.update(block)
+
+
+def fingerprint(config: dict[str, Any], dataset_files: list[Path], image_files: list[Path], model_dir: Path) -> str:
+    """What a training folder was made from: the train config, the dataset's bytes, its images' names and
+    sizes, and the base model's config and weight file sizes (weights are too large to hash every run)."""
+    hasher = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    for path in dataset_files:
+        _file_digest(path, hasher)
+    for path in sorted(set(image_files)):
+        hasher.update(f"{path}:{path.stat().st_size}\n".encode())
+    model_dir = Path(model_dir)
+    _file_digest(model_dir / "config.json", hasher)
+    for path in sorted(model_dir.iterdir()):
+        if path.suffix in WEIGHT_SUFFIXES:
+            hasher.update(f"{path.name}:{path.stat().st_size}\n".encode())
+    return hasher.hexdigest()
+
+
+@dataclass(frozen=True)
+class TrainDirState:
+    """What `prepare_train_dir` found: `fresh` (train from step 0), `resume` (from `step`) or `done`."""
+
+    kind: str
+    step: int = 0
+    note: str = ""
+
+
+def complete_checkpoints(train_dir: Path) -> list[tuple[int, Path]]:
+    """Checkpoints the trainer finished writing, by step."""
+    found = []
+    for path in Path(train_dir).glob("checkpoint-*"):
+        match = CHECKPOINT.match(path.name)
+        if match and path.is_dir() and (path / "trainer_state.json").is_file():
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def is_complete(train_dir: Path) -> bool:
+    """The trainer finished: its final results and weights are at the top of the folder."""
+    train_dir = Path(train_dir)
+    return (train_dir / "train_results.json").is_file() and any(
+        p.suffix in WEIGHT_SUFFIXES and p.is_file() for p in train_dir.iterdir()
+    )
+
+
+def prepare_train_dir(train_dir: Path, digest: str) -> TrainDirState:
+    """Make `train_dir` safe for LLaMA-Factory's automatic resume, and say what it holds."""
+    train_dir = Path(train_dir)
+    marker = train_dir / FINGERPRINT_FILE
+    note = ""
+    if train_dir.exists():
+        recorded = json.loads(marker.read_text()).get("fingerprint") if marker.is_file() else None
+        if recorded != digest:
+            note = "the training folder was written for another config, dataset or base model; starting over"
+            shutil.rmtree(train_dir)
+        elif is_complete(train_dir):
+            return TrainDirState("done", note="training already finished for this config; exporting its model")
+    if train_dir.exists():
+        for path in train_dir.glob("checkpoint-*"):
+            if path.is_dir() and not (path / "trainer_state.json").is_file():
+                shutil.rmtree(path)  # cut off while being saved: resuming from it would crash
+        checkpoints = complete_checkpoints(train_dir)
+        if checkpoints:
+            step, path = checkpoints[-1]
+            return TrainDirState("resume", step, f"resuming from {path.name}")
+        # Nothing to resume from: clear leftovers (a final save cut off, old logs) so the run starts clean.
+        shutil.rmtree(train_dir)
+    train_dir.mkdir(parents=True, exist_ok=True)
+    marker.write_text(json.dumps({"fingerprint": digest}) + "\n")
+    return TrainDirState("fresh", note=note)
+
+
+def remove_checkpoints(train_dir: Path) -> None:
+    """Delete the checkpoints (optimiser state included) once the model is exported."""
+    for _, path in complete_checkpoints(train_dir):
+        shutil.rmtree(path, ignore_errors=True)
+    for path in Path(train_dir).glob("checkpoint-*"):
+        shutil.rmtree(path, ignore_errors=True)
