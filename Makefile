@@ -39,7 +39,9 @@ test-slow: $(STAMP)
 
 venv: $(STAMP)
 
-$(STAMP): $(LOCK) pyproject.toml
+# The stamp's name carries the hash of both files, so only their content counts, not their mtimes (a fresh
+# clone is newer than any venv).
+$(STAMP): | $(LOCK) pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade "pip>=25"
 	$(PY) -m pip install -q -r $(LOCK)
