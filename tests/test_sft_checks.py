@@ -103,7 +103,7 @@ def test_a_good_dataset_passes_and_is_measured(tiny_model_dir, dataset):
         (lambda r: r[3]["conversations"].__setitem__(2, {"from": "human", "value": "again"}),
          ["sample 3", "conversations[2]", "'human'", "merge"]),
         (lambda r: r[1]["conversations"].pop(), ["sample 1", "must end on a 'gpt' turn"]),
-        (lambda r: r[2]["conversations"][1].__setitem__("from", "user"), ["sample 2", "'user'", "'human' was expected"]),
+        (lambda r: r[2]["conversations"][1].__setitem__("from", "user"), ["sample 2", "'user'", "'human' was expected", "not a role of this dataset"]),
         (lambda r: r[4]["images"].pop(), ["sample 4", "2 <image> placeholders but 1 images"]),
         (lambda r: r[5]["conversations"][1].__setitem__("value", "no picture here"), ["sample 5", "2 <image> placeholders but 3 images"]),
         (lambda r: r[0]["images"].__setitem__(0, "images/nowhere.png"), ["sample 0", "nowhere.png not found"]),

@@ -43,6 +43,13 @@ def test_full_cpu_config_carries_our_parameters():
     assert Path(config["output_dir"]).is_absolute() and Path(config["dataset_dir"]).is_absolute()
 
 
+def test_device_cpu_hides_a_visible_gpu():
+    config = lf.train_config(SftParams(device="cpu"), PROTOCOL, 0, Path("/m"), Path("/d"), Path("/o"),
+                             on_gpu=False, hide_gpu=True)
+    assert config["use_cpu"] is True and config["bf16"] is False
+    assert "use_cpu" not in build(SftParams())
+
+
 def test_epochs_unless_steps_are_given():
     assert build(SftParams(num_train_epochs=3))["max_steps"] == -1
     assert build(SftParams(num_train_epochs=3))["num_train_epochs"] == 3
@@ -112,3 +119,16 @@ def test_params_errors_name_their_key(tmp_path):
 def test_repository_params_yaml_has_a_valid_sft_section():
     params = load_section(SftParams, "sft", Path(__file__).parents[1] / "params.yaml")
     assert params.dataset == "loupe_synth"
+
+
+def test_the_gpu_preset_generates_a_zero3_bf16_config(tmp_path):
+    preset = Path(__file__).parents[1] / "params" / "mini-o3-7b.yaml"
+    params = load_section(SftParams, "sft", preset)
+    protocol = load_section(ProtocolParams, "protocol", preset)
+    deepspeed = lf.copy_deepspeed(lf.resolve_deepspeed(params.gpu.deepspeed), tmp_path)
+    config = lf.train_config(params, protocol, 0, tmp_path / "qwen", tmp_path / "data", tmp_path / "train",
+                             on_gpu=params.device == "gpu", deepspeed=deepspeed)
+    assert config["bf16"] is True and config["flash_attn"] == "fa2"
+    assert json.loads(Path(config["deepspeed"]).read_text())["zero_optimization"]["stage"] == 3
+    assert config["image_max_pixels"] == protocol.max_pixels and config["learning_rate"] == params.learning_rate
+    assert set(config) <= llamafactory_train_fields()

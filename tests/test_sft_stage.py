@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import yaml
 from PIL import Image
+from test_sft_checks import build_dataset
 
 from stages.sft.__main__ import main as sft_main
 from stages.sft.runner import complete_checkpoints
-from test_sft_checks import build_dataset
 
 REPO = Path(__file__).parents[1]
 
@@ -147,7 +147,7 @@ def test_a_killed_run_resumes_from_its_last_checkpoint(tmp_path, tiny_model_dir,
     last_step = complete_checkpoints(out / "train")[-1][0]
     assert 10 <= last_step < 40 and not (out / "model").exists()
 
-    rerun = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    rerun = subprocess.run(command, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr
     assert f"resuming from checkpoint-{last_step}" in rerun.stdout
     assert f"Resuming training from {(out / 'train').resolve()}/checkpoint-{last_step}" in rerun.stdout
@@ -156,7 +156,7 @@ def test_a_killed_run_resumes_from_its_last_checkpoint(tmp_path, tiny_model_dir,
     steps = [row["step"] for row in json.loads((out / "plots" / "loss.json").read_text())]
     assert steps == list(range(1, 41))  # every step once: the restored history, then the new steps
 
-    again = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    again = subprocess.run(command, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "training already finished" in again.stdout
 
 

@@ -108,6 +108,7 @@ def run_sft(params_path: Path, model_path: Path, dataset_dir: Path, out_dir: Pat
         env = runner.child_environment(run.run_id, tracking_uri() if run.run_id else None,
                                        force_torchrun=on_gpu and deepspeed is not None)
         if state.kind != "done":
+            print(f"sft: llamafactory-cli train {train_yaml} (output: {train_dir})", flush=True)
             runner.launch(runner.llamafactory_command("train", train_yaml), env, lf_dir / "train.log")
 
         export.build_model_dir(params.finetuning_type, model_path, train_dir, out_dir / "model", lf_dir, env)

@@ -98,7 +98,7 @@ class ImageBudget:
             height = width * 180
         return width, height
 
-    def with_max_pixels(self, image_max_pixels: int) -> "ImageBudget":
+    def with_max_pixels(self, image_max_pixels: int) -> ImageBudget:
         return ImageBudget(self.image_min_pixels, image_max_pixels, self.processor_budget, self.factor)
 
 
@@ -231,11 +231,14 @@ def check_conversation(spec: DatasetSpec, index: int, record: Any) -> tuple[str 
             (tags["user_tag"], tags["observation_tag"]) if len(turns) % 2 == 0 else (tags["assistant_tag"], tags["function_tag"])
         )
         if role not in expected:
-            fix = (
-                "observations are human turns; merge two human turns in a row into one"
-                if len(turns) % 2 == 1
-                else f"every {tags['assistant_tag']} turn must follow a {tags['user_tag']} turn"
-            )
+            known = (tags["user_tag"], tags["assistant_tag"], tags["observation_tag"], tags["function_tag"])
+            if role not in known:
+                fix = (f"{role!r} is not a role of this dataset; its tags in dataset_info.json name "
+                       f"{tags['user_tag']!r}, {tags['assistant_tag']!r} and {tags['system_tag']!r} (first turn only)")
+            elif len(turns) % 2 == 1:
+                fix = "observations are human turns; merge two human turns in a row into one"
+            else:
+                fix = f"every {tags['assistant_tag']} turn must follow a {tags['user_tag']} turn"
             raise InputError(
                 f"{where}: {spec.messages}[{position}] has role {role!r} where {expected[0]!r} was expected "
                 f"(LLaMA-Factory would silently skip this sample); {fix}"

@@ -93,5 +93,5 @@ class SftParams(Section):
     """Where training runs: auto picks the GPU when torch sees one. Decides whether `gpu` settings apply."""
     gpu: GpuParams = GpuParams()
     """bf16, flash-attention and DeepSpeed, applied on GPU only."""
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = Field(default_factory=dict)
     """Further LLaMA-Factory keys passed through verbatim (an escape hatch; a key we set ourselves is an error)."""
