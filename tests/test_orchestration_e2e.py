@@ -42,8 +42,7 @@ def merged(base: dict, extra: dict) -> dict:
 def reduced_params(dest: Path) -> Path:
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     missing = [s for s in STAGES[1:] if s not in params]
-    if missing:
-        pytest.skip(f"params.yaml has no {missing} section yet (the stage is not in the tree)")
+    assert not missing, f"params.yaml has no {missing} section"
     for section, overrides in REDUCED.items():
         params[section] = merged(params.get(section) or {}, {k: v for k, v in overrides.items()})
     dest.write_text(yaml.safe_dump(params, sort_keys=False))
