@@ -111,3 +111,44 @@ def test_identical_requests_of_k_samples_carry_different_seeds(task_dir, monkeyp
         run_rollouts(tasks(1), make_engine(server), PROTOCOL, task_dir, samples_per_task=3)
         first_turn_seeds = sorted(r.body["seed"] for r in server.requests if len(r.body["messages"]) == 2)
     assert first_turn_seeds == [1, 2, 3]
+
+
+class DictCache:
+    def __init__(self):
+        self.replies: dict[str, dict] = {}
+
+    def get(self, key: str) -> dict | None:
+        return self.replies.get(key)
+
+    def put(self, key: str, reply: dict) -> None:
+        self.replies[key] = reply
+
+
+def test_a_failed_request_lets_its_batch_finish_so_every_paid_reply_is_cached(task_dir, monkeypatch):
+    """One request of a batch fails at once while another is still being answered: the answer still lands
+    in the cache before the error ends the run, so a rerun does not pay for it again."""
+    import time
+
+    def responder(request: dict) -> str:
+        question = json.dumps(request["messages"][1]["content"])
+        if "fail" in question:
+            raise RuntimeError("boom")
+        time.sleep(1.0)  # still in flight when the failure is raised
+        return "<think>done</think>\n<answer>B</answer>"
+
+    monkeypatch.setenv("LOUPE_TEST_KEY", "k")
+    # The failing request comes first, so its error is seen while the other is still in flight.
+    records = [TaskRecord(doc_id="bad", images=["scene.png"], problem="fail", solution="B", options=["a", "b"]),
+               TaskRecord(doc_id="slow", images=["scene.png"], problem="Colour?", solution="B", options=["a", "b"])]
+    with FakeOpenAIServer(responder) as server:
+        endpoint = OpenAIEndpointParams(base_url=server.base_url, model="fake", api_key_env="LOUPE_TEST_KEY",
+                                        concurrency=2, max_retries=0)
+        cache = DictCache()
+        engine = OpenAIEngine(endpoint, stop=("</grounding>",), temperature=0.0, seed=1, cache=cache)
+        with pytest.raises(EndpointError):
+            run_rollouts(records, engine, PROTOCOL, task_dir)
+        engine.close()
+        answered = server.count()
+    assert answered == 2
+    [reply] = cache.replies.values()
+    assert "<answer>B</answer>" in reply["choices"][0]["message"]["content"]

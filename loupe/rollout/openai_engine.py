@@ -25,7 +25,7 @@ import json
 import os
 import threading
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -145,7 +145,11 @@ class OpenAIEngine(Engine):
     def generate(self, states: list[_ChatState], max_new_tokens: int) -> list[Generation]:
         # Requests are numbered here, in the loop's order, so occurrence numbers (cache keys) repeat run to run.
         requests = [self._request(s, max_new_tokens) for s in states]
-        return list(self._pool.map(self._complete, states, requests))
+        futures = [self._pool.submit(self._complete, s, r) for s, r in zip(states, requests)]
+        # Let every request in flight finish (and reach the cache) before one failure ends the batch:
+        # a reply the endpoint was paid for must not be asked for again by the resumed run.
+        wait(futures)
+        return [future.result() for future in futures]
 
     def _request(self, state: _ChatState, max_new_tokens: int) -> tuple[str, dict[str, Any]]:
         """The request body for a state's next turn and its key: a digest of endpoint and body, then `-n`."""
