@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
+from fake_openai import FakeOpenAIServer, Fault
 from PIL import Image
 
-from fake_openai import Fault, FakeOpenAIServer
 from loupe.config import OpenAIEndpointParams, ProtocolParams
 from loupe.data.tasks import TaskRecord
-from loupe.rollout.openai_engine import EndpointError, OpenAIEngine
 from loupe.rollout.loop import run_rollouts
+from loupe.rollout.openai_engine import EndpointError, OpenAIEngine
 
 PROTOCOL = ProtocolParams(min_pixels=3136, max_pixels=50176)
 
@@ -127,7 +128,6 @@ class DictCache:
 def test_a_failed_request_lets_its_batch_finish_so_every_paid_reply_is_cached(task_dir, monkeypatch):
     """One request of a batch fails at once while another is still being answered: the answer still lands
     in the cache before the error ends the run, so a rerun does not pay for it again."""
-    import time
 
     def responder(request: dict) -> str:
         question = json.dumps(request["messages"][1]["content"])
