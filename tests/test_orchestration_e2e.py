@@ -135,9 +135,11 @@ def test_loupe_run_end_to_end_then_everything_is_skipped(tmp_path):
     assert len(mlflow.MlflowClient().search_model_versions("name = 'loupe'")) == 1
 
     # An eval parameter through `dvc exp run -S` reruns eval and nothing else.
+    # (DVC runs `loupe stage ...`: the project's environment comes first on PATH, as with an activated venv.)
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     experiment = subprocess.run([sys.executable, "-m", "dvc", "exp", "run", "-S", "eval.samples=2"], cwd=repo,
-                                capture_output=True, text=True, env={**os.environ, "LOUPE_TRACKING": "off",
-                                                                     "DVC_NO_ANALYTICS": "1"})
+                                capture_output=True, text=True,
+                                env={**os.environ, "LOUPE_TRACKING": "off", "DVC_NO_ANALYTICS": "1", "PATH": path})
     assert experiment.returncode == 0, experiment.stdout[-3000:] + experiment.stderr[-3000:]
     ran = [s for s in STAGES if f"Running stage '{s}'" in experiment.stdout]
     assert ran == ["eval"], experiment.stdout[-3000:]
