@@ -152,3 +152,21 @@ def test_a_failed_request_lets_its_batch_finish_so_every_paid_reply_is_cached(ta
     assert answered == 2
     [reply] = cache.replies.values()
     assert "<answer>B</answer>" in reply["choices"][0]["message"]["content"]
+
+
+def test_a_dead_endpoint_fails_the_batch_without_sending_the_queued_requests(task_dir, monkeypatch):
+    monkeypatch.setenv("LOUPE_TEST_KEY", "k")
+
+    def dead(request: dict) -> str:
+        time.sleep(0.3)  # slow enough that the batch's cancel comes before a worker picks the next request
+        raise RuntimeError("down")
+
+    with FakeOpenAIServer(dead) as server:
+        endpoint = OpenAIEndpointParams(base_url=server.base_url, model="fake", api_key_env="LOUPE_TEST_KEY",
+                                        concurrency=2, max_retries=0)
+        engine = OpenAIEngine(endpoint, stop=("</grounding>",), temperature=0.0, seed=1)
+        with pytest.raises(EndpointError):
+            run_rollouts(tasks(20), engine, PROTOCOL, task_dir)
+        engine.close()
+        sent = server.count()
+    assert sent <= 4  # the two in flight when the first failed, at most two more started meanwhile; not 20

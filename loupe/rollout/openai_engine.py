@@ -25,7 +25,7 @@ import json
 import os
 import threading
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -146,9 +146,15 @@ class OpenAIEngine(Engine):
         # Requests are numbered here, in the loop's order, so occurrence numbers (cache keys) repeat run to run.
         requests = [self._request(s, max_new_tokens) for s in states]
         futures = [self._pool.submit(self._complete, s, r) for s, r in zip(states, requests)]
-        # Let every request in flight finish (and reach the cache) before one failure ends the batch:
-        # a reply the endpoint was paid for must not be asked for again by the resumed run.
-        wait(futures)
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        failed = next((f for f in futures if f in done and f.exception() is not None), None)
+        if failed is not None:
+            # Requests still queued are not sent, but those in flight finish and reach the cache first:
+            # a reply the endpoint was paid for must not be asked for again by the resumed run.
+            for future in futures:
+                future.cancel()
+            wait(futures)
+            raise failed.exception()
         return [future.result() for future in futures]
 
     def _request(self, state: _ChatState, max_new_tokens: int) -> tuple[str, dict[str, Any]]:
