@@ -151,3 +151,14 @@ def test_vision_markers_are_never_sampled_and_never_trained(tiny_model_dir, toy_
     t.trace.input_ids[position] = image_pad
     assert wrote_vision_marker(t, inputs.vision_markers)
     assert _trainable(t, inputs.params, inputs.vision_markers) == (False, True)
+
+
+def test_split_evenly_keeps_order_and_balances_the_parts():
+    from stages.rl.batching import split_evenly
+
+    for n in range(0, 12):
+        for parts in range(1, 6):
+            chunks = split_evenly(list(range(n)), parts)
+            sizes = [len(c) for c in chunks]
+            assert len(chunks) == parts and max(sizes) - min(sizes) <= 1
+            assert [x for c in chunks for x in c] == list(range(n))

@@ -53,6 +53,18 @@ class TrainSequence:
         return int(self.positions.numel())
 
 
+def split_evenly(items: list[Any], parts: int) -> list[list[Any]]:
+    """`items` in exactly `parts` contiguous chunks whose sizes differ by at most one (some may be empty):
+    prompts over rollout workers, sequences over mini-batches."""
+    size, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + size + (1 if i < extra else 0)
+        out.append(items[start:end])
+        start = end
+    return out
+
+
 def mrope_positions(model: Any, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None) -> torch.Tensor:
     """(3, L) rotary positions of one sequence: Qwen2-VL's 3D positions for image tokens, 1D for text.
 

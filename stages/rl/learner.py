@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from loupe.models import load_model, load_processor, resolve_device
-from stages.rl.batching import TrainSequence, token_logprobs
+from stages.rl.batching import TrainSequence, split_evenly, token_logprobs
 from stages.rl.loss import LossConfig, loss_normaliser, policy_loss
 from stages.rl.params import RLParams
 
@@ -139,7 +139,7 @@ class Learner:
         grad_norms: list[float] = []
         if not sequences and not self.distributed:
             return {"skipped_update": 1.0}
-        minis = _split_evenly(sequences, p.mini_batches)
+        minis = split_evenly(sequences, p.mini_batches)
         if not self.distributed:
             minis = [m for m in minis if m]
         for _ in range(p.ppo_epochs):
@@ -273,14 +273,3 @@ class Learner:
         finally:
             self.model.config.use_cache = False
         load_processor(model_path).save_pretrained(out_dir)
-
-
-def _split_evenly(items: list[Any], parts: int) -> list[list[Any]]:
-    """`items` in exactly `parts` contiguous chunks whose sizes differ by at most one (some may be empty)."""
-    size, extra = divmod(len(items), parts)
-    out, start = [], 0
-    for i in range(parts):
-        end = start + size + (1 if i < extra else 0)
-        out.append(items[start:end])
-        start = end
-    return out

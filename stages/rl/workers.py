@@ -33,6 +33,7 @@ from loupe.data.tasks import TaskRecord
 from loupe.rewards import RewardConfig, build_judge, load_custom_reward, score_trajectory
 from loupe.rollout import Engine, RolloutStats, make_engine, run_rollouts
 from loupe.trajectory import Trajectory
+from stages.rl.batching import split_evenly
 from stages.rl.params import RayParams, RLParams
 
 
@@ -161,16 +162,6 @@ class RewardPool:
 # --- one interface over Ray actors and local objects -------------------------------------------------------
 
 
-def _chunks(items: list[Any], parts: int) -> list[list[Any]]:
-    size, extra = divmod(len(items), parts)
-    out, start = [], 0
-    for i in range(parts):
-        end = start + size + (1 if i < extra else 0)
-        out.append(items[start:end])
-        start = end
-    return out
-
-
 class WorkerSet:
     """The rollout workers: splits a step's prompts among them and gathers the trajectories in order."""
 
@@ -207,7 +198,7 @@ class WorkerSet:
         self, tasks: list[TaskRecord], samples: int, seeds: list[int], max_turns: int, max_new_tokens: int
     ) -> tuple[list[Trajectory], RolloutStats]:
         """Every task's `samples` trajectories, task order kept; worker i samples with `seeds[i]`."""
-        shares = _chunks(tasks, len(self.workers))
+        shares = split_evenly(tasks, len(self.workers))
         results = self._call(
             [(w, "rollout", (share, samples, seeds[i], max_turns, max_new_tokens)) for i, (w, share) in enumerate(zip(self.workers, shares))]
         )
