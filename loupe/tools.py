@@ -1,14 +1,17 @@
 """Tools the model can call, looked up by name; the crop tool first.
 
-The crop tool takes a box on a named source (the original image at full resolution, or an earlier crop),
-clamps it to the image, refuses degenerate boxes, and resizes the crop into the pixel budget with the rule
+The crop tool takes a box on a named source (the original image, or an earlier observation), clamps it to
+that source, refuses degenerate boxes, and cuts the region from the original's full-resolution pixels: a box on
+an observation is first composed with the region of the original that observation shows, so each zoom can
+show more detail than the last (Mini-o3 and DeepEyes crop observations likewise from the region they map to,
+not from the downscaled copy the model saw). The crop is then resized into the pixel budget with the rule
 Qwen2.5-VL's image processor uses (`smart_resize`: sides multiples of 28, area within min/max pixels), so the
 processor does not resize it again.
 
 A tool never raises on a model's request: `run_tool` returns either a result or a typed `ToolError` that the
 rollout loop sends back as an error observation. Images the user supplied are another matter: a missing,
 corrupt, truncated or oversized file, or a path outside the configured image root, raises `ImageError` naming
-the file, because that is the data's fault, not the model's.
+the file (see `loupe.images`), because that is the data's fault, not the model's.
 
 New tools (rotate, read text, segment) register a `Tool` in `TOOLS` with a JSON schema of their arguments and
 a function of the same signature as `crop`.
@@ -25,22 +28,13 @@ from typing import Any, Callable
 
 from PIL import Image
 
-# open_image enforces its own, configurable pixel limit before decoding; PIL's fixed global limit would
-# otherwise refuse large images first (and warn on 8K benchmark images) whatever max_decode_pixels says.
-Image.MAX_IMAGE_PIXELS = None
-
+from loupe.images import DEFAULT_MAX_DECODE_PIXELS, ImageError, open_image  # noqa: F401 (re-exported)
 from loupe.protocol import ORIGINAL_IMAGE, ToolCall
 
 IMAGE_FACTOR = 28
 """Qwen2.5-VL's patch (14) times its spatial merge (2): image sides are multiples of this."""
 MAX_ASPECT_RATIO = 200
 """Qwen2.5-VL's processor refuses images more elongated than this."""
-DEFAULT_MAX_DECODE_PIXELS = 20_000 * 20_000
-"""Images larger than this are refused before decoding (decompression-bomb guard)."""
-
-
-class ImageError(ValueError):
-    """A source image that cannot be used; the message names the file."""
 
 
 @dataclass(frozen=True)
@@ -81,38 +75,6 @@ def smart_resize(height: int, width: int, budget: PixelBudget, factor: int = IMA
     return h_bar, w_bar
 
 
-def open_image(path: str | Path, root: str | Path | None = None, max_pixels: int = DEFAULT_MAX_DECODE_PIXELS) -> Image.Image:
-    """Decode an image file fully into RGB, or raise ImageError naming the file and what is wrong.
-
-    With `root`, the resolved path must lie inside it (no `..` or symlink escapes).
-    """
-    path = Path(path)
-    if root is not None:
-        root_resolved = Path(root).resolve()
-        resolved = (root_resolved / path).resolve() if not path.is_absolute() else path.resolve()
-        if not resolved.is_relative_to(root_resolved):
-            raise ImageError(f"{path}: image path escapes the image root {root_resolved}")
-        path = resolved
-    if not path.is_file():
-        raise ImageError(f"{path}: image file not found")
-    try:
-        with Image.open(path) as img:
-            width, height = img.size
-            if width * height > max_pixels:
-                raise ImageError(
-                    f"{path}: image is {width}x{height} = {width * height:,} pixels, over the limit of {max_pixels:,} "
-                    "(a decompression bomb, or raise max_decode_pixels)"
-                )
-            img.load()
-            return img.convert("RGB")
-    except ImageError:
-        raise
-    except Image.DecompressionBombError as err:
-        raise ImageError(f"{path}: refused as a decompression bomb ({err})") from None
-    except (OSError, SyntaxError, ValueError) as err:
-        raise ImageError(f"{path}: corrupt or truncated image ({err})") from None
-
-
 class ToolErrorKind(str, Enum):
     UNKNOWN_TOOL = "unknown_tool"
     BAD_ARGUMENTS = "bad_arguments"
@@ -136,38 +98,65 @@ class CropResult:
     source: str
     """The source's name: 'original_image' or 'observation_N'."""
     box_px: tuple[int, int, int, int]
-    """The crop's pixel box on the source, after clamping."""
+    """The box on the named source, in that source's pixels, clamped and rounded outwards (what the model
+    pointed at on the image it was shown)."""
+    region_px: tuple[int, int, int, int]
+    """The pixels of the original that were cut: the box composed through the source's own region."""
 
 
 @dataclass
 class ImageSession:
     """The images one trajectory can crop from: the original (decoded once, lazily) and each crop so far.
 
-    Samples of the same task may share a decoded original by passing it in as `original`.
+    Each observation remembers the region of the original it shows (`regions`), so a box on it can be mapped
+    back onto the original's full-resolution pixels. Samples of the same task may share a decoded original by
+    passing it in as `original`.
     """
 
     original_path: Path | None = None
     original: Image.Image | None = None
     observations: list[Image.Image] = field(default_factory=list)
+    regions: list[tuple[int, int, int, int]] = field(default_factory=list)
+    """Per observation, the pixel box of the original it shows (`CropResult.region_px`)."""
     image_root: Path | None = None
     max_decode_pixels: int = DEFAULT_MAX_DECODE_PIXELS
 
     def get(self, source: str) -> Image.Image | None:
         """The named image, or None if no such source exists yet."""
-        if source == ORIGINAL_IMAGE or source == "observation_0":
-            if self.original is None:
-                if self.original_path is None:
-                    return None
-                self.original = open_image(self.original_path, self.image_root, self.max_decode_pixels)
-            return self.original
+        number = self._number(source)
+        if number == 0:
+            return self._original()
+        return self.observations[number - 1] if number is not None else None
+
+    def region(self, source: str) -> tuple[int, int, int, int] | None:
+        """The pixel box of the original that the named source shows; None for an unknown source."""
+        number = self._number(source)
+        if number is None:
+            return None
+        if number == 0:
+            original = self._original()
+            return None if original is None else (0, 0, original.width, original.height)
+        return self.regions[number - 1]
+
+    def add_observation(self, image: Image.Image, region_px: tuple[int, int, int, int]) -> str:
+        """Keep a crop as the next observation, with the pixel box of the original it shows; returns its name."""
+        self.observations.append(image)
+        self.regions.append(tuple(region_px))  # type: ignore[arg-type]
+        return f"observation_{len(self.observations)}"
+
+    def _number(self, source: str) -> int | None:
+        """0 for the original, N for an existing observation N, None for anything else."""
+        if source == ORIGINAL_IMAGE:
+            return 0
         match = re.fullmatch(r"observation_(\d{1,9})", source, re.ASCII)  # bounded: int() refuses 4,300+ digits
-        if match and 1 <= int(match.group(1)) <= len(self.observations):
-            return self.observations[int(match.group(1)) - 1]
+        if match and int(match.group(1)) <= len(self.observations):
+            return int(match.group(1))
         return None
 
-    def add_observation(self, image: Image.Image) -> str:
-        self.observations.append(image)
-        return f"observation_{len(self.observations)}"
+    def _original(self) -> Image.Image | None:
+        if self.original is None and self.original_path is not None:
+            self.original = open_image(self.original_path, self.image_root, self.max_decode_pixels)
+        return self.original
 
 
 def _as_box(value: Any) -> tuple[float, float, float, float] | None:
@@ -183,10 +172,13 @@ def _as_box(value: Any) -> tuple[float, float, float, float] | None:
 
 
 def crop(session: ImageSession, arguments: dict[str, Any], budget: PixelBudget) -> CropResult | ToolError:
-    """Crop `bbox_2d` out of `source` and resize it into `budget`.
+    """Crop `bbox_2d` of `source` out of the original's full-resolution pixels and resize it into `budget`.
 
     `frame` says how the box is given: 'relative' (each coordinate in [0, 1] of the source's sides) or
-    'absolute' (pixels of the source).
+    'absolute' (pixels of the source). The box is clamped to the source; a box spanning less than one pixel of
+    the source in either direction is refused (a model pointing at nothing learns nothing from a 1 px crop).
+    On an observation, the box is mapped through the region of the original that observation shows, then
+    rounded outwards to whole pixels of the original.
     """
     box = _as_box(arguments.get("bbox_2d"))
     if box is None:
@@ -194,22 +186,29 @@ def crop(session: ImageSession, arguments: dict[str, Any], budget: PixelBudget) 
     source = arguments.get("source", ORIGINAL_IMAGE)
     image = session.get(source) if isinstance(source, str) else None
     if image is None:
-        return ToolError(ToolErrorKind.UNKNOWN_SOURCE, f"there is no image named {source!r}")
+        return ToolError(ToolErrorKind.UNKNOWN_SOURCE, f"there is no image named {str(source)[:40]!r}")
     frame = arguments.get("frame", "relative")
     if frame not in ("relative", "absolute"):
-        return ToolError(ToolErrorKind.BAD_ARGUMENTS, f"'frame' must be 'relative' or 'absolute', got {frame!r}")
+        return ToolError(ToolErrorKind.BAD_ARGUMENTS, f"'frame' must be 'relative' or 'absolute', got {str(frame)[:20]!r}")
     width, height = image.size
     x0, y0, x1, y1 = box
     if frame == "relative":
         x0, x1, y0, y1 = x0 * width, x1 * width, y0 * height, y1 * height
-    # Clamp before rounding: a huge relative coordinate times the side overflows to infinity.
+    # Clamp before anything else: a huge relative coordinate times the side overflows to infinity.
     x0, x1 = (min(max(v, 0.0), float(width)) for v in (x0, x1))
     y0, y1 = (min(max(v, 0.0), float(height)) for v in (y0, y1))
-    left, top = math.floor(x0), math.floor(y0)
-    right, bottom = math.ceil(x1), math.ceil(y1)
+    if x1 - x0 < 1.0 or y1 - y0 < 1.0:
+        return ToolError(
+            ToolErrorKind.DEGENERATE_BOX, f"the box covers less than one pixel of the {width}x{height} source"
+        )
+    source_name = ORIGINAL_IMAGE if source == "observation_0" else source
+    # The source shows region (rx0, ry0, rx1, ry1) of the original, scaled to width x height.
+    rx0, ry0, rx1, ry1 = session.region(source_name)  # type: ignore[misc]
+    kx, ky = (rx1 - rx0) / width, (ry1 - ry0) / height
+    left, top = math.floor(rx0 + x0 * kx + 1e-9), math.floor(ry0 + y0 * ky + 1e-9)
+    right, bottom = math.ceil(rx0 + x1 * kx - 1e-9), math.ceil(ry0 + y1 * ky - 1e-9)
+    right, bottom = max(right, left + 1), max(bottom, top + 1)
     crop_w, crop_h = right - left, bottom - top
-    if crop_w < 1 or crop_h < 1:
-        return ToolError(ToolErrorKind.DEGENERATE_BOX, f"the box covers no pixels of the {width}x{height} source")
     if max(crop_w, crop_h) / min(crop_w, crop_h) > MAX_ASPECT_RATIO:
         return ToolError(
             ToolErrorKind.DEGENERATE_BOX,
@@ -219,10 +218,13 @@ def crop(session: ImageSession, arguments: dict[str, Any], budget: PixelBudget) 
     if new_h * new_w > budget.max_pixels:
         # Only extreme aspect ratios get here: the short side cannot go under one factor.
         return ToolError(ToolErrorKind.DEGENERATE_BOX, f"the {crop_w}x{crop_h} px box is too thin for the pixel budget")
-    region = image.crop((left, top, right, bottom))
+    original = session.get(ORIGINAL_IMAGE)
+    assert original is not None  # the source exists, so the original it was cut from does
+    region = original.crop((left, top, right, bottom))
     if region.size != (new_w, new_h):
         region = region.resize((new_w, new_h), Image.Resampling.BICUBIC)
-    return CropResult(image=region, source=source if source != "observation_0" else ORIGINAL_IMAGE, box_px=(left, top, right, bottom))
+    box_px = (math.floor(x0), math.floor(y0), math.ceil(x1), math.ceil(y1))
+    return CropResult(image=region, source=source_name, box_px=box_px, region_px=(left, top, right, bottom))
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,8 @@ class Turn:
     error: str | None = None
     """Why the turn failed: a format error on an assistant turn, a tool error on the user turn after it."""
     crop: dict[str, Any] | None = None
-    """Observation turns: {'source': name, 'source_image': index, 'box_px': [x0, y0, x1, y1], 'size': [w, h]}."""
+    """Observation turns: {'source': name, 'source_image': index, 'box_px': [x0, y0, x1, y1] on the source,
+    'region_px': [x0, y0, x1, y1] on the original (the pixels cut), 'size': [w, h], 'observation': N}."""
     num_tokens: int = 0
     """Tokens this turn occupies in the model's context (generated tokens for assistant turns)."""
 

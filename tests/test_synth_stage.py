@@ -163,3 +163,41 @@ def test_llamafactory_trains_two_steps_on_the_dataset(finished, tiny_model_dir, 
     assert run.returncode == 0, log[-3000:]
     assert "Num examples = 8" in log and "Skipping this abnormal example" not in log
     assert "'loss'" in log and (tmp_path / "sft" / "model.safetensors").is_file()
+
+
+def test_every_crop_in_the_dataset_is_the_originals_pixels_at_the_composed_box(finished):
+    """Replayed as Mini-o3 would read the dataset: each call's box, composed through the observations it names,
+    is a box on the original; the crop shown next must be those full-resolution pixels, resized."""
+    import re
+
+    import numpy as np
+    from PIL import Image
+
+    out, _ = finished
+    folder = out / "dataset"
+    records = json.loads((folder / f"{DATASET_NAME}.json").read_text())
+    checked = {"original_image": 0, "observation": 0}
+    for record in records:
+        original = Image.open(folder / record["images"][0]).convert("RGB")
+        regions = {"original_image": (0.0, 0.0, float(original.width), float(original.height))}
+        sizes = {"original_image": original.size}
+        shown = 0
+        for turn in record["conversations"]:
+            if turn["from"] != "gpt" or "<grounding>" not in turn["value"]:
+                continue
+            call = json.loads(re.search(r"<grounding>(.*?)</grounding>", turn["value"], re.S).group(1))
+            source = call["source"]
+            rx0, ry0, rx1, ry1 = regions[source]
+            x0, y0, x1, y1 = call["bbox_2d"]
+            composed = (rx0 + x0 * (rx1 - rx0), ry0 + y0 * (ry1 - ry0), rx0 + x1 * (rx1 - rx0), ry0 + y1 * (ry1 - ry0))
+            cut = (int(np.floor(composed[0] + 1e-9)), int(np.floor(composed[1] + 1e-9)),
+                   int(np.ceil(composed[2] - 1e-9)), int(np.ceil(composed[3] - 1e-9)))
+            assert all(abs(a - b) < 1.0 for a, b in zip(cut, composed))  # within 1 px in original coordinates
+            shown += 1
+            crop = Image.open(folder / record["images"][shown]).convert("RGB")
+            expected = original.crop(cut).resize(crop.size, Image.Resampling.BICUBIC)
+            difference = np.abs(np.asarray(crop, dtype=np.int16) - np.asarray(expected, dtype=np.int16))
+            assert difference.max() <= 1, (record["images"][shown], source, call["bbox_2d"])
+            checked["original_image" if source == "original_image" else "observation"] += 1
+            regions[f"observation_{shown}"], sizes[f"observation_{shown}"] = cut, crop.size
+    assert checked["observation"] >= 3 and checked["original_image"] >= 6, checked

@@ -223,18 +223,48 @@ def test_crop_rounds_a_fractional_box_outwards(noise):
     assert result.box_px == (10, 20, 41, 51)
 
 
-def test_crop_of_an_observation_crops_that_observation(noise):
+def test_crop_of_an_observation_is_cut_from_the_originals_pixels_at_the_composed_box(noise):
     session = ImageSession(original=noise)
-    first = crop(session, {"bbox_2d": [0.25, 0.25, 0.5, 0.5], "frame": "relative"}, NO_RESIZE)
-    assert session.add_observation(first.image) == "observation_1"
+    first = crop(session, {"bbox_2d": [0.25, 0.25, 0.5, 0.5], "frame": "relative"}, PixelBudget(28 * 28, 28 * 28 * 16))
+    assert first.region_px == (280, 224, 560, 448) and first.image.size == (112, 84)  # downscaled 2.5x
+    assert session.add_observation(first.image, first.region_px) == "observation_1"
     second = crop(session, {"bbox_2d": [0.0, 0.0, 0.5, 0.5], "source": "observation_1", "frame": "relative"},
                   PixelBudget())
     assert isinstance(second, CropResult)
     assert second.source == "observation_1"
-    assert second.box_px == (0, 0, 140, 112)  # on the observation, not on the original
+    assert second.box_px == (0, 0, 56, 42)  # on the observation the model was shown
+    assert second.region_px == (280, 224, 420, 336)  # on the original: the composed box
     new_h, new_w = smart_resize(112, 140, PixelBudget())
     expected = noise.crop((280, 224, 420, 336)).resize((new_w, new_h), Image.Resampling.BICUBIC)
+    assert second.image.tobytes() == expected.tobytes()  # full-resolution pixels, not the 56x42 downscaled ones
+
+
+def test_a_deeper_zoom_shows_detail_the_first_observation_lost(noise):
+    session = ImageSession(original=noise)
+    small = PixelBudget(28 * 28, 28 * 28 * 4)
+    first = crop(session, {"bbox_2d": [0.0, 0.0, 1.0, 1.0]}, small)
+    name = session.add_observation(first.image, first.region_px)
+    second = crop(session, {"bbox_2d": [0.5, 0.5, 0.5625, 0.5625], "source": name}, PixelBudget())
+    # 1/16 of each side of the original is 70x56 px of real noise; cut from the 56x28 observation it would be
+    # 3.5x1.75 px blown up.
+    assert second.region_px == (560, 448, 630, 504)
+    expected = noise.crop(second.region_px).resize(second.image.size, Image.Resampling.BICUBIC)
     assert second.image.tobytes() == expected.tobytes()
+
+
+def test_zooms_chained_through_observations_compose_exactly(noise):
+    session = ImageSession(original=noise)
+    name = ORIGINAL_IMAGE
+    region = (0.0, 0.0, 1120.0, 896.0)
+    for box in ([0.1, 0.2, 0.9, 0.8], [0.25, 0.25, 0.75, 0.75], [0.5, 0.0, 1.0, 0.5]):
+        result = crop(session, {"bbox_2d": box, "source": name}, PixelBudget())
+        # The region the observation shows is whole pixels; the next box composes with that, not the floats.
+        rx0, ry0, rx1, ry1 = session.region(name)
+        w, h = rx1 - rx0, ry1 - ry0
+        composed = (rx0 + box[0] * w, ry0 + box[1] * h, rx0 + box[2] * w, ry0 + box[3] * h)
+        assert all(abs(a - b) < 1.0 for a, b in zip(result.region_px, composed)), (result.region_px, composed)
+        name = session.add_observation(result.image, result.region_px)
+    assert session.region(name) == result.region_px
 
 
 def test_observation_0_names_the_original(noise):
@@ -260,13 +290,13 @@ def test_large_crop_is_scaled_down_into_the_budget(noise):
 def test_crop_of_an_unknown_source_is_a_tool_error(noise, source):
     session = ImageSession(original=noise)
     if source != "observation_1":
-        session.add_observation(noise_image(56, 56))
+        session.add_observation(noise_image(56, 56), (0, 0, 112, 112))
     else:
         assert session.observations == []
     result = crop(session, {"bbox_2d": [0.1, 0.1, 0.5, 0.5], "source": source}, PixelBudget())
     assert isinstance(result, ToolError)
     assert result.kind == ToolErrorKind.UNKNOWN_SOURCE
-    assert repr(source) in result.detail
+    assert repr(str(source)[:40]) in result.detail and len(result.detail) < 100  # named, and short
 
 
 def test_crop_without_any_original_is_an_unknown_source():
@@ -277,10 +307,10 @@ def test_crop_without_any_original_is_an_unknown_source():
 @pytest.mark.parametrize(
     "box, frame, words",
     [
-        ([1.2, 0.1, 1.5, 0.5], "relative", "no pixels"),  # wholly right of the image
-        ([-50, -50, -10, -10], "absolute", "no pixels"),  # wholly above-left
-        ([10, 10, 10, 20], "absolute", "no pixels"),  # zero width
-        ([0.3, 0.3, 0.2, 0.4], "relative", "no pixels"),  # x1 < x0
+        ([1.2, 0.1, 1.5, 0.5], "relative", "less than one pixel"),  # wholly right of the image
+        ([-50, -50, -10, -10], "absolute", "less than one pixel"),  # wholly above-left
+        ([10, 10, 10, 20], "absolute", "less than one pixel"),  # zero width
+        ([0.3, 0.3, 0.2, 0.4], "relative", "less than one pixel"),  # x1 < x0
         ([0, 0, 1000, 4], "absolute", "more elongated than 200"),  # 250:1
         ([0, 0, 1, 0.004], "relative", "more elongated than 200"),  # 1120 x 4 px
     ],
@@ -319,9 +349,23 @@ def test_an_integer_too_large_for_a_float_is_bad_arguments(noise, frame):
     assert isinstance(result, ToolError) and result.kind == ToolErrorKind.BAD_ARGUMENTS
 
 
-def test_a_sub_pixel_box_still_covers_one_pixel(noise):
-    result = crop(ImageSession(original=noise), {"bbox_2d": [10.2, 10, 10.4, 20], "frame": "absolute"}, PixelBudget())
-    assert isinstance(result, CropResult) and result.box_px == (10, 10, 11, 20)
+@pytest.mark.parametrize(
+    "box, frame",
+    [([10.2, 10, 10.4, 20], "absolute"), ([0.5, 0.5, 0.5005, 0.6], "relative"), ([0.5, 0.5, 0.6, 0.5008], "relative")],
+)
+def test_a_box_under_one_pixel_of_its_source_is_refused_not_cropped_to_one_pixel(noise, box, frame):
+    result = crop(ImageSession(original=noise), {"bbox_2d": box, "frame": frame}, PixelBudget())
+    assert isinstance(result, ToolError) and result.kind == ToolErrorKind.DEGENERATE_BOX
+    assert "less than one pixel" in result.detail
+
+
+def test_a_box_under_one_pixel_of_an_observation_is_refused_though_it_spans_original_pixels(noise):
+    session = ImageSession(original=noise)
+    first = crop(session, {"bbox_2d": [0, 0, 1, 1]}, PixelBudget(28 * 28, 28 * 28 * 4))
+    assert first.image.size == (56, 28)  # showing all 1120x896 px of the original
+    name = session.add_observation(first.image, first.region_px)
+    result = crop(session, {"bbox_2d": [0.5, 0.2, 0.51, 0.8], "source": name}, PixelBudget())  # 0.56 px wide
+    assert isinstance(result, ToolError) and "less than one pixel of the 56x28 source" in result.detail
 
 
 @pytest.mark.parametrize(
@@ -392,7 +436,7 @@ SMALL_BUDGETS = [PixelBudget(), PixelBudget(28 * 28 * 4, 28 * 28 * 64), PixelBud
 )
 def test_crop_of_any_box_is_a_result_in_budget_or_a_tool_error(box, frame, omit_frame, source, budget):
     session = ImageSession(original=noise_image(300, 200))
-    session.add_observation(noise_image(90, 60, seed=1))
+    session.add_observation(noise_image(90, 60, seed=1), (30, 20, 210, 140))
     arguments = {"bbox_2d": box, "source": source}
     if not omit_frame:
         arguments["frame"] = frame
@@ -407,6 +451,9 @@ def test_crop_of_any_box_is_a_result_in_budget_or_a_tool_error(box, frame, omit_
     left, top, right, bottom = result.box_px
     source_w, source_h = session.get(result.source).size
     assert 0 <= left < right <= source_w and 0 <= top < bottom <= source_h
+    left, top, right, bottom = result.region_px  # the pixels cut lie inside the source's own region
+    rx0, ry0, rx1, ry1 = session.region(result.source)
+    assert rx0 <= left < right <= rx1 and ry0 <= top < bottom <= ry1
     assert max(right - left, bottom - top) <= MAX_ASPECT_RATIO * min(right - left, bottom - top)
 
 
@@ -428,8 +475,9 @@ def test_image_session_decodes_the_original_once_across_crops(tmp_path, monkeypa
     assert decodes == []  # lazily: nothing decoded before the first crop
     for box in ([0, 0, 0.5, 0.5], [0.5, 0.5, 1, 1], [0.1, 0.2, 0.3, 0.4]):
         assert isinstance(crop(session, {"bbox_2d": box}, PixelBudget()), CropResult)
-    session.add_observation(noise_image(56, 56))
+    session.add_observation(noise_image(56, 56), (0, 0, 56, 56))
     assert isinstance(crop(session, {"bbox_2d": [0, 0, 1, 1], "source": "observation_0"}, PixelBudget()), CropResult)
+    assert isinstance(crop(session, {"bbox_2d": [0, 0, 1, 1], "source": "observation_1"}, PixelBudget()), CropResult)
     assert decodes == [path]
 
 
@@ -640,7 +688,7 @@ def rotate(session: ImageSession, arguments: dict, budget: PixelBudget) -> CropR
         return ToolError(ToolErrorKind.BAD_ARGUMENTS, "'angle' must be 90, 180 or 270")
     turned = image.rotate(arguments["angle"], expand=True)
     new_h, new_w = smart_resize(turned.height, turned.width, budget)
-    return CropResult(turned.resize((new_w, new_h)), source, (0, 0, image.width, image.height))
+    return CropResult(turned.resize((new_w, new_h)), source, (0, 0, image.width, image.height), session.region(source))
 
 
 @pytest.fixture

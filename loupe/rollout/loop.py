@@ -192,7 +192,7 @@ def _add_observation(
     max_new_tokens: int,
 ) -> str | None:
     trajectory = item.trajectory
-    name = item.session.add_observation(result.image)
+    name = item.session.add_observation(result.image, result.region_px)
     number = int(name.rsplit("_", 1)[1])
     source_index = 0 if result.source == "original_image" else _observation_image_index(trajectory, result.source)
     index = trajectory.add_image(result.image)
@@ -206,6 +206,7 @@ def _add_observation(
                 "source": result.source,
                 "source_image": source_index,
                 "box_px": list(result.box_px),
+                "region_px": list(result.region_px),
                 "size": list(result.image.size),
                 "observation": number,
             },
