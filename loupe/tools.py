@@ -3,10 +3,11 @@
 The crop tool takes a box on a named source (the original image, or an earlier observation), clamps it to
 that source, refuses degenerate boxes, and cuts the region from the original's full-resolution pixels: a box on
 an observation is first composed with the region of the original that observation shows, so each zoom can
-show more detail than the last (Mini-o3 and DeepEyes crop observations likewise from the region they map to,
-not from the downscaled copy the model saw). The crop is then resized into the pixel budget with the rule
-Qwen2.5-VL's image processor uses (`smart_resize`: sides multiples of 28, area within min/max pixels), so the
-processor does not resize it again.
+show more detail than the last. (Mini-o3's own tool, `crop_image` and `prepare_grounding_inputs_multi_turn` in
+verl/workers/rollout/vllm_rollout/function_tools.py, crops the stored observation image instead; composing the
+boxes gives the same region without the detail lost to an intermediate resize.) The crop is then resized into
+the pixel budget with the rule Qwen2.5-VL's image processor uses (`smart_resize`: sides multiples of 28, area
+within min/max pixels), so the processor does not resize it again.
 
 A tool never raises on a model's request: `run_tool` returns either a result or a typed `ToolError` that the
 rollout loop sends back as an error observation. Images the user supplied are another matter: a missing,
