@@ -77,17 +77,26 @@ class ProtocolParams(Section):
 class OpenAIEndpointParams(Section):
     """An OpenAI-compatible chat endpoint (a vLLM server, a hosted model)."""
 
+    # A key pasted into `api_key_env` by mistake must not be echoed back in the validation error.
+    model_config = ConfigDict(hide_input_in_errors=True)
+
     base_url: str = "http://127.0.0.1:8000/v1"
     """The endpoint's base URL, up to and including /v1."""
     model: str = "default"
     """Model name sent with each request."""
-    api_key_env: str = "OPENAI_API_KEY"
-    """Name of the environment variable holding the API key (the key itself never goes in params)."""
+    api_key_env: str | None = Field("OPENAI_API_KEY", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """Name of the environment variable holding the API key (the key itself never goes in params). If it is
+    unset or empty, building the engine fails naming it; null sends no key, for a server started without one
+    (a local vLLM without --api-key)."""
     concurrency: int = Field(8, ge=1)
     """Requests in flight at once."""
     max_retries: int = Field(5, ge=0)
-    """Retries on 429, 5xx, time-outs and dropped connections before the request fails (the openai client's
-    exponential backoff with jitter, honouring Retry-After)."""
+    """Retries after the first attempt on 408/409/429/5xx, time-outs, dropped connections and malformed HTTP 200
+    replies (loupe.endpoint), before the request fails."""
+    backoff_s: float = Field(0.5, ge=0)
+    """First wait between attempts; each later one doubles, with +-50% jitter, and is at least Retry-After."""
+    max_backoff_s: float = Field(8.0, ge=0)
+    """Cap on one wait between attempts (a server's Retry-After included)."""
     timeout_s: float = Field(120.0, gt=0)
     """Seconds one request may take."""
 

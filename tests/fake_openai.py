@@ -22,8 +22,13 @@ words here) with finish_reason "length". `n` > 1 calls the responder once per ch
 answered as server-sent events (one content chunk, one finish chunk, `[DONE]`).
 
 Faults queued with `add_faults` are served one per request, in order, before the responder answers again.
-A responder may return a `Reply` to set the finish reason or token counts itself; if it raises, the
-request gets HTTP 500 with the exception in the error message.
+A responder may return a `Reply` to set the finish reason or token counts itself, or a `Fault` (not `slow`) to
+have that one request faulted (a fault aimed at one request of a concurrent batch); if it raises, the request gets
+HTTP 500 with the exception in the error message.
+
+Malformed replies (`Fault.malformed(kind)`, one kind per way an HTTP 200 can be unusable, all listed in
+MALFORMED_KINDS) are served with status 200 and never call the responder. Where the kind keeps a message, its
+content is MALFORMED_TEXT, a reply every client would accept if it overlooked the fault.
 
 Built on the standard library's `ThreadingHTTPServer` (no web framework needed for two endpoints), bound to
 127.0.0.1 on a free port, serving from a daemon thread.
@@ -56,12 +61,36 @@ class Reply:
     completion_tokens: int | None = None
 
 
+MALFORMED_TEXT = "<think>fine</think>\n<answer>A</answer> Score: 1"
+"""The assistant text of malformed replies that keep one: an answer and a judge verdict a careless client takes."""
+
+MALFORMED_KINDS = (
+    "not_json",  # an HTML error page from a proxy, served as text/html
+    "truncated",  # a JSON body cut off mid-way, served as application/json
+    "null_body",  # the JSON value null
+    "no_choices",  # a completion without `choices`
+    "empty_choices",  # `choices: []`
+    "choices_not_list",  # `choices` an object
+    "message_not_object",  # `message` a string
+    "content_number",  # `content` a number
+    "empty_content",  # `content: ""`
+    "null_content",  # `content: null`
+    "empty_content_length",  # `content: ""` with finish_reason "length"
+    "no_finish_reason",  # `finish_reason: null`
+    "unknown_finish_reason",  # `finish_reason: "abort"`
+    "usage_wrong_types",  # `usage.prompt_tokens` a string
+    "cut_stream",  # a server-sent event stream cut before its finish chunk and `[DONE]`
+)
+
+
 @dataclass(frozen=True)
 class Fault:
     """One injected failure, served instead of (or, for `slow`, before) a normal answer."""
 
     kind: str
-    """`status`, `slow`, `malformed` or `disconnect`."""
+    """`status`, `slow`, `malformed`, `disconnect` or `cut`."""
+    variant: str = ""
+    """Which malformed reply (one of MALFORMED_KINDS) for `malformed` faults."""
     code: int = 500
     message: str | None = None
     """Error message for `status` faults (default "injected fault: HTTP <code>")."""
@@ -80,14 +109,21 @@ class Fault:
         return cls("slow", delay_s=delay_s)
 
     @classmethod
-    def malformed(cls) -> Fault:
-        """HTTP 200 with a body that is not JSON."""
-        return cls("malformed", code=200)
+    def malformed(cls, kind: str = "truncated") -> Fault:
+        """HTTP 200 with a body that is not a usable chat completion, of one of MALFORMED_KINDS."""
+        if kind not in MALFORMED_KINDS:
+            raise ValueError(f"unknown malformed reply kind {kind!r}; known: {', '.join(MALFORMED_KINDS)}")
+        return cls("malformed", code=200, variant=kind)
 
     @classmethod
     def disconnect(cls) -> Fault:
         """Close the connection without any response."""
         return cls("disconnect")
+
+    @classmethod
+    def cut(cls) -> Fault:
+        """HTTP 200 and a Content-Length, then the connection closes halfway through the body."""
+        return cls("cut", code=200)
 
 
 @dataclass(frozen=True)
@@ -211,6 +247,8 @@ class FakeOpenAIServer:
         choices, completion_tokens = [], 0
         for index in range(int(request.get("n") or 1)):
             reply = self.responder(request)
+            if isinstance(reply, Fault):
+                raise _ServeFault(reply)
             if not isinstance(reply, Reply):
                 reply = Reply(str(reply))
             text, finish = reply.text, reply.finish_reason
@@ -242,6 +280,59 @@ class FakeOpenAIServer:
                 "total_tokens": prompt_tokens + completion_tokens,
             },
         }
+
+
+class _ServeFault(Exception):
+    """A responder asked for its request to be faulted."""
+
+    def __init__(self, fault: Fault):
+        super().__init__(fault.kind)
+        self.fault = fault
+
+
+def malformed_body(kind: str, model: str = "fake-model") -> tuple[bytes, str]:
+    """The body and content type of one malformed 200 reply (see MALFORMED_KINDS)."""
+    if kind == "not_json":
+        return b"<html><body><h1>502 Bad Gateway</h1></body></html>", "text/html"
+    if kind == "truncated":
+        return b'{"id": "chatcmpl-broken", "choices": [', "application/json"
+    if kind == "null_body":
+        return b"null", "application/json"
+    message: dict[str, Any] = {"role": "assistant", "content": MALFORMED_TEXT}
+    choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": "stop", "logprobs": None}
+    completion: dict[str, Any] = {
+        "id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion", "created": int(time.time()),
+        "model": model, "choices": [choice],
+        "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
+    }
+    if kind == "cut_stream":
+        base = {k: completion[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+        first = base | {"choices": [{"index": 0, "delta": message, "finish_reason": None}]}
+        return f"data: {json.dumps(first)}\n\n".encode(), "text/event-stream"
+    if kind == "no_choices":
+        del completion["choices"]
+    elif kind == "empty_choices":
+        completion["choices"] = []
+    elif kind == "choices_not_list":
+        completion["choices"] = {"0": choice}
+    elif kind == "message_not_object":
+        choice["message"] = MALFORMED_TEXT
+    elif kind == "content_number":
+        message["content"] = 1
+    elif kind in ("empty_content", "empty_content_length"):
+        message["content"] = ""
+        choice["finish_reason"] = "length" if kind == "empty_content_length" else "stop"
+    elif kind == "null_content":
+        message["content"] = None
+    elif kind == "no_finish_reason":
+        choice["finish_reason"] = None
+    elif kind == "unknown_finish_reason":
+        choice["finish_reason"] = "abort"
+    elif kind == "usage_wrong_types":
+        completion["usage"]["prompt_tokens"] = "ten"
+    else:
+        raise ValueError(f"unknown malformed reply kind {kind!r}")
+    return json.dumps(completion).encode("utf-8"), "application/json"
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -317,23 +408,19 @@ class _Handler(BaseHTTPRequestHandler):
         if not self._authorised(request):
             return
         fault = self.fake._next_fault()
-        if fault is not None:
-            if fault.kind == "status":
-                self._error(fault.code, fault.message or f"injected fault: HTTP {fault.code}", fault.headers)
-                return
-            if fault.kind == "malformed":
-                self._send(200, b'{"id": "chatcmpl-broken", "choices": [', headers=fault.headers)
-                return
-            if fault.kind == "disconnect":
-                self.close_connection = True
-                return
-            if fault.kind == "slow":
-                time.sleep(fault.delay_s)
+        if fault is not None and self._serve_fault(fault):
+            return
         if not isinstance(request.body, dict) or not isinstance(request.body.get("messages"), list):
             self._error(400, "the body must be a JSON object with a 'messages' list")
             return
         try:
             completion = self.fake.completion(request.body)
+        except _ServeFault as chosen:
+            if chosen.fault.kind == "slow":
+                self._error(500, "a responder cannot return a slow fault; queue it with add_faults")
+            else:
+                self._serve_fault(chosen.fault)
+            return
         except Exception as err:  # noqa: BLE001 - a responder bug shows up in the client's error, not as a hang
             self._error(500, f"responder raised {type(err).__name__}: {err}")
             return
@@ -341,6 +428,33 @@ class _Handler(BaseHTTPRequestHandler):
             self._stream(completion)
         else:
             self._send_json(200, completion)
+
+    def _serve_fault(self, fault: Fault) -> bool:
+        """Serve `fault`; True when that was the whole answer, False when a normal answer must follow (slow)."""
+        if fault.kind == "status":
+            self._error(fault.code, fault.message or f"injected fault: HTTP {fault.code}", fault.headers)
+            return True
+        if fault.kind == "malformed":
+            body, content_type = malformed_body(fault.variant or "truncated", self.fake.models[0])
+            self._send(200, body, content_type=content_type, headers=fault.headers)
+            return True
+        if fault.kind == "disconnect":
+            self.close_connection = True
+            return True
+        if fault.kind == "cut":
+            body, _ = malformed_body("no_finish_reason", self.fake.models[0])
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body[: len(body) // 2])
+            self.wfile.flush()
+            self.close_connection = True
+            return True
+        if fault.kind == "slow":
+            time.sleep(fault.delay_s)
+            return False
+        raise ValueError(f"unknown fault kind {fault.kind!r}")
 
     def _stream(self, completion: dict[str, Any]) -> None:
         events = []

@@ -1,8 +1,9 @@
 """The openai teacher against a real OpenAI-compatible server on loopback that answers with the oracle's moves.
 
 Injected 429, 500 and slow replies lose nothing and count nothing twice; the reply cache makes a repeated run
-free (zero HTTP calls) and an interrupted run pay nothing twice; the API key never reaches a file, a log line
-or MLflow (the real MLflow store is checked in a slow test).
+free (zero HTTP calls) and an interrupted run pay nothing twice; every kind of malformed HTTP 200 reply is kept
+out of the cache, and a rerun after one succeeds paying only for what is missing; the API key never reaches a
+file, a log line or MLflow (the real MLflow store is checked in a slow test).
 """
 
 from __future__ import annotations
@@ -14,19 +15,26 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from fake_openai import FakeOpenAIServer, Fault
+from fake_openai import MALFORMED_KINDS, MALFORMED_TEXT, FakeOpenAIServer, Fault
 from test_synth_support import synth_tasks_dir, train_tasks, write_params  # noqa: F401  (fixture)
 
 import stages.synth
 import stages.synth.__main__ as synth_main
-from loupe.config import ProtocolParams
+from loupe.config import OpenAIEndpointParams, ProtocolParams
+from loupe.endpoint import validate_reply
 from loupe.protocol import get_protocol
 from loupe.rollout import run_rollouts
+from loupe.rollout.openai_engine import EndpointError
 from stages.synth.__main__ import main
 from stages.synth.dataset import DATASET_NAME
 from stages.synth.oracle import OracleEngine
-from stages.synth.params import OracleParams
-from stages.synth.teacher_openai import DiskReplyCache, ExemplarError, load_exemplars
+from stages.synth.params import OpenAITeacherParams, OracleParams
+from stages.synth.teacher_openai import (
+    DiskReplyCache,
+    ExemplarError,
+    build_openai_teacher,
+    load_exemplars,
+)
 
 KEY = "sk-loupe-synth-test-5ecret-9f3a"
 KEY_ENV = "LOUPE_SYNTH_TEST_KEY"
@@ -49,7 +57,8 @@ class OracleResponder:
             self.moves[key] = [turn.text for turn in trajectory.turns if turn.role == "assistant"]
         self.systems: list[str] = []
         self.answered = 0
-        self.fail_when = None  # a predicate on (question, turn): answer HTTP 500 instead
+        self.fail_when = None  # a predicate on (question, turn): answer HTTP 500 (or `failure`) instead
+        self.failure: Fault | None = None
         self._lock = threading.Lock()
 
     def __call__(self, request: dict) -> str:
@@ -57,6 +66,8 @@ class OracleResponder:
         question = "".join(p["text"] for p in messages[1]["content"] if p["type"] == "text")
         turn = sum(m["role"] == "assistant" for m in messages)
         if self.fail_when is not None and self.fail_when(question, turn):
+            if self.failure is not None:
+                return self.failure
             raise RuntimeError("the endpoint is down")
         with self._lock:
             self.systems.append(messages[0]["content"])
@@ -102,7 +113,7 @@ def teacher_params(tmp_path: Path, server: FakeOpenAIServer, cache: Path, **endp
                    "price_per_1k_prompt_tokens": 0.5, "price_per_1k_completion_tokens": 2.0},
     }
     openai = {"base_url": server.base_url, "model": "fake-model", "api_key_env": KEY_ENV, "concurrency": 4,
-              "max_retries": 3, "timeout_s": 5.0, **endpoint}
+              "max_retries": 3, "timeout_s": 5.0, "backoff_s": 0.001, "max_backoff_s": 0.01, **endpoint}
     return write_params(tmp_path / "params.yaml", synth, rollout={"temperature": 0.7, "openai": openai})
 
 
@@ -235,12 +246,102 @@ def test_exemplars_are_checked_against_the_protocol(tmp_path):
     check("other", {**good, "protocol": "deepeyes"}, "no exemplar written for the mini_o3 protocol")
 
 
-def test_disk_cache_treats_a_torn_file_as_a_miss(tmp_path):
+def completion(content) -> dict:
+    return {"id": "c", "object": "chat.completion", "created": 0, "model": "m",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}]}
+
+
+def test_disk_cache_treats_a_torn_or_invalid_file_as_a_miss(tmp_path):
     cache = DiskReplyCache(tmp_path)
-    cache.put("ab12-0", {"id": "x"})
-    assert cache.get("ab12-0") == {"id": "x"}
-    (tmp_path / "ab" / "ab12-1.json").write_text('{"id": ')
-    assert cache.get("ab12-1") is None and cache.get("cd34-0") is None
-    assert (cache.hits, cache.misses) == (1, 2)
+    cache.put("ab12-0", completion("<answer>A</answer>"))
+    assert cache.get("ab12-0") == completion("<answer>A</answer>")
+    damaged = {
+        "ab12-1": b'{"id": ',  # cut short
+        "ab12-2": json.dumps(completion(None)).encode(),  # null content, as an older Loupe could store
+        "ab12-3": json.dumps({"id": "x"}).encode(),  # no choices
+        "ab12-4": b"\xff\xfe not utf-8",
+        "ab12-5": b"[" * 100_000 + b"]" * 100_000,  # nests past the parser's recursion limit
+        "ab12-6": b"[]",
+    }
+    for key, raw in damaged.items():
+        (tmp_path / "ab" / f"{key}.json").write_bytes(raw)
+    assert [cache.get(key) for key in damaged] == [None] * len(damaged)
+    assert cache.get("cd34-0") is None
+    assert (cache.hits, cache.misses) == (1, len(damaged) + 1)
+    cache.put("ab12-2", completion("fresh"))  # the refetched reply takes the damaged one's place
+    assert cache.get("ab12-2") == completion("fresh")
     assert not [p for p in tmp_path.rglob("*.tmp")]
     assert os.listdir(tmp_path) == ["ab"]
+
+
+def cache_files_all_validate(cache: Path) -> int:
+    """The number of cached replies, after checking that each validates and none is a malformed reply."""
+    files = list(cache.rglob("*.json"))
+    for path in files:
+        reply = validate_reply(json.loads(path.read_text()))
+        assert reply.text != MALFORMED_TEXT, path
+    return len(files)
+
+
+@pytest.mark.parametrize("kind", MALFORMED_KINDS)
+def test_a_rerun_after_a_malformed_reply_pays_only_for_what_is_missing(kind, responder, synth_tasks_dir,  # noqa: F811
+                                                                        tmp_path, monkeypatch):
+    """The teacher (shared engine + disk cache) meets one malformed reply with no retry left: the run fails as an
+    endpoint error, the cache holds only good replies, and a rerun succeeds paying once for each missing turn."""
+    monkeypatch.setenv(KEY_ENV, KEY)
+    tasks = train_tasks(synth_tasks_dir)[:2]
+    protocol = get_protocol("mini_o3")
+    params = OpenAITeacherParams(exemplars=str(EXEMPLARS), cache_dir=str(tmp_path / "cache"))
+    with FakeOpenAIServer(responder, api_key=KEY) as server:
+        endpoint = OpenAIEndpointParams(base_url=server.base_url, model="fake-model", api_key_env=KEY_ENV,
+                                        concurrency=2, max_retries=0, timeout_s=5.0)
+
+        def run():
+            teacher = build_openai_teacher(endpoint, params, protocol, temperature=0.7, top_p=1.0, seed=0)
+            try:
+                return run_rollouts(tasks, teacher, ProtocolParams(), synth_tasks_dir), teacher.usage
+            finally:
+                teacher.close()
+
+        server.add_faults(Fault.malformed(kind))
+        answered_before = responder.answered
+        with pytest.raises(EndpointError, match="failed after 1 attempt \\(malformed reply: "):
+            run()
+        cached = cache_files_all_validate(tmp_path / "cache")
+        assert cached == 1  # the sibling request in flight when the fault came was kept
+        trajectories, usage = run()
+        paid = responder.answered - answered_before
+        sent = server.count()
+    turns = sum(t.num_turns for t in trajectories)
+    assert [t.end_reason for t in trajectories] == ["answered"] * 2
+    assert all(MALFORMED_TEXT not in turn.text for t in trajectories for turn in t.turns)
+    assert paid == turns and sent == turns + 1  # every turn paid once; the one malformed attempt on top
+    assert (usage.cached_requests, usage.requests) == (cached, turns - cached)
+    assert cache_files_all_validate(tmp_path / "cache") == turns
+
+
+@pytest.mark.parametrize("kind", ["not_json", "null_content"])
+def test_the_stage_fails_on_malformed_replies_and_a_rerun_resumes(kind, responder, synth_tasks_dir,  # noqa: F811
+                                                                  tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(KEY_ENV, KEY)
+    second_shard = {q for (q, _) in responder.moves} - {
+        get_protocol("mini_o3").question_text(t).replace("<image>", "") for t in train_tasks(synth_tasks_dir)[:3]}
+    with FakeOpenAIServer(responder, api_key=KEY) as server:
+        params = teacher_params(tmp_path, server, tmp_path / "cache", max_retries=1)
+        out = tmp_path / "out"
+        responder.fail_when = lambda question, turn: question in second_shard and turn == 1
+        responder.failure = Fault.malformed(kind)
+        before = responder.answered
+        try:
+            code = main(["--params", str(params), "--tasks", str(synth_tasks_dir), "--out", str(out), "--no-progress"])
+        finally:
+            responder.fail_when, responder.failure = None, None
+        err = capsys.readouterr().err
+        assert code == 1 and "failed after 2 attempts (malformed reply:" in err and "rerun to resume" in err
+        cache_files_all_validate(tmp_path / "cache")
+        assert main(["--params", str(params), "--tasks", str(synth_tasks_dir), "--out", str(out), "--no-progress"]) == 0
+        paid_in_total = responder.answered - before
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["accepted"] == 6 * SAMPLES
+    assert paid_in_total == sum(int(n) * c for n, c in metrics["turns_histogram_all"].items())
+    assert metrics["teacher_usage"]["failed_requests"] == 0 and metrics["teacher_usage"]["cached_requests"] > 0

@@ -1,10 +1,15 @@
 """The `openai` engine: the rollout loop on any OpenAI-compatible chat endpoint (a vLLM server, a hosted VLM).
 
 Dialogues are kept as chat messages with images as PNG data URLs; each round sends every live dialogue's
-request through a thread pool of `concurrency` workers. Retries with exponential backoff on 429, 5xx,
-time-outs and dropped connections are the `openai` client's own (`max_retries`), which also honours
-`Retry-After`; once they run out the request fails with an `EndpointError` naming the endpoint and the cause.
-The API key is read from the environment variable the parameters name and never logged.
+request through a thread pool of `concurrency` workers. Each request goes through `loupe.endpoint`'s one retry
+loop: 408/409/429/5xx, time-outs, dropped connections and malformed HTTP 200 replies (not JSON, no choices,
+wrong types, empty or null content, an unknown finish reason...) are retried with exponential backoff and
+Retry-After; once the attempts run out the request fails with an `EndpointError` naming the endpoint, the
+requests sent and the last cause. A malformed reply is the endpoint's fault, never the model's format error.
+
+The API key is read at construction from the environment variable `api_key_env` names; an unset or empty
+variable is an error naming it, and `api_key_env: null` sends no key (a local server started without one).
+The key is never logged and is redacted from error messages.
 
 Token counts come from the endpoint's `usage`; there are no token ids or log-probs, so this engine serves
 synthesis and evaluation, not RL.
@@ -13,7 +18,9 @@ Identical requests (the K samples of a task start from the same prompt) are told
 number n, counted in the order the loop hands states over; (request, n) is the key of the optional `cache` (any
 object with `get(key) -> dict | None` and `put(key, dict)`, such as the synth stage's disk cache), so a
 repeated run sends no request twice and K samples keep K replies. Cached replies are counted apart from paid
-ones in `usage`.
+ones in `usage`. Only replies that passed `validate_reply` are stored, and a stored one that does not pass it
+when read back (a damaged file, another shape) is discarded and asked for again, as a paid request. When one
+request of a batch fails, the requests already in flight still finish and reach the cache.
 """
 
 from __future__ import annotations
@@ -22,24 +29,33 @@ import base64
 import hashlib
 import io
 import json
-import os
+import logging
 import threading
 from collections import Counter
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import openai
-from openai.types.chat import ChatCompletion
 from PIL import Image
 
 from loupe.config import OpenAIEndpointParams
+from loupe.endpoint import (
+    ChatReply,
+    EndpointError,
+    MalformedReply,
+    RetryPolicy,
+    make_client,
+    redactor,
+    resolve_api_key,
+    send_with_retries,
+    validate_reply,
+)
 from loupe.protocol import split_on_images
 from loupe.rollout.engine import Engine, Generation
 
+__all__ = ["EndpointError", "OpenAIEngine", "ReplyCache", "UsageCounter", "image_data_url"]
 
-class EndpointError(RuntimeError):
-    """A request that still failed after its retries."""
+log = logging.getLogger(__name__)
 
 
 def image_data_url(image: Image.Image) -> str:
@@ -70,6 +86,9 @@ class UsageCounter:
     """Tokens and requests spent on an endpoint, summed across threads; replies served from the cache apart."""
 
     requests: int = 0
+    """Replies received and accepted (paid for)."""
+    failed_requests: int = 0
+    """Requests sent that brought no usable reply (HTTP errors, time-outs, malformed replies)."""
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_requests: int = 0
@@ -87,6 +106,10 @@ class UsageCounter:
                 self.requests += 1
                 self.prompt_tokens += prompt
                 self.completion_tokens += completion
+
+    def add_failed(self, count: int) -> None:
+        with self._lock:
+            self.failed_requests += count
 
 
 class ReplyCache(Protocol):
@@ -120,12 +143,10 @@ class OpenAIEngine(Engine):
         self.seed = seed
         self.batch_size = endpoint.concurrency
         self.usage = UsageCounter()
-        self.client = openai.OpenAI(
-            base_url=endpoint.base_url,
-            api_key=os.environ.get(endpoint.api_key_env) or "EMPTY",
-            timeout=endpoint.timeout_s,
-            max_retries=endpoint.max_retries,
-        )
+        api_key = resolve_api_key(endpoint.api_key_env, "rollout.openai")
+        self._redact = redactor(api_key)
+        self.retry = RetryPolicy(endpoint.max_retries, endpoint.backoff_s, endpoint.max_backoff_s)
+        self.client = make_client(endpoint.base_url, api_key, endpoint.timeout_s)
         self._pool = ThreadPoolExecutor(max_workers=endpoint.concurrency, thread_name_prefix="loupe-openai")
 
     def begin(self, system: str, question: str, images: list[Image.Image]) -> _ChatState:
@@ -180,19 +201,28 @@ class OpenAIEngine(Engine):
             request["seed"] = self.seed + n
         return f"{digest}-{n}", request
 
+    def _cached(self, key: str) -> ChatReply | None:
+        """The cache's reply for `key` if it holds one that validates; a damaged entry counts as a miss."""
+        entry = self.cache.get(key) if self.cache is not None else None
+        if entry is None:
+            return None
+        try:
+            return validate_reply(entry)
+        except MalformedReply as err:
+            log.warning("reply cache entry %s is not a valid chat completion (%s); asking the endpoint again", key, err)
+            return None
+
     def _complete(self, state: _ChatState, keyed_request: tuple[str, dict[str, Any]]) -> Generation:
         key, request = keyed_request
-        cached = self.cache.get(key) if self.cache is not None else None
-        if cached is not None:
-            response = ChatCompletion.model_validate(cached)
-        else:
-            response = self._send(request)
+        reply = self._cached(key)
+        cached = reply is not None
+        if reply is None:
+            reply, body = self._send(request)
             if self.cache is not None:
-                self.cache.put(key, response.model_dump(mode="json"))
-        choice = response.choices[0]
-        text = choice.message.content or ""
-        finish = "length" if choice.finish_reason == "length" else "eos"
-        if choice.finish_reason == "stop":
+                self.cache.put(key, body)  # validated: nothing malformed is ever stored
+        text = reply.text
+        finish = "length" if reply.finish_reason == "length" else "eos"
+        if reply.finish_reason == "stop":
             # Endpoints drop the stop string from the reply; put a tool call's closing tag back.
             for stop in self.stop:
                 opener = stop.replace("</", "<", 1)
@@ -200,23 +230,23 @@ class OpenAIEngine(Engine):
                     text += stop
                     finish = "stop"
                     break
-        usage = response.usage
-        prompt_tokens = usage.prompt_tokens if usage else state.tokens
-        completion_tokens = usage.completion_tokens if usage else max(1, len(text) // 3)
-        self.usage.add(prompt_tokens, completion_tokens, cached=cached is not None)
+        prompt_tokens = reply.prompt_tokens if reply.prompt_tokens is not None else state.tokens
+        completion_tokens = reply.completion_tokens if reply.completion_tokens is not None else max(1, len(text) // 3)
+        self.usage.add(prompt_tokens, completion_tokens, cached=cached)
         state.messages.append({"role": "assistant", "content": text})
         state.tokens = prompt_tokens + completion_tokens
         return Generation(text=text, finish=finish, num_tokens=completion_tokens)
 
-    def _send(self, request: dict[str, Any]) -> ChatCompletion:
+    def _send(self, request: dict[str, Any]) -> tuple[ChatReply, dict[str, Any]]:
+        """The validated reply to `request` and its JSON body, through the shared retry loop."""
         try:
-            return self.client.chat.completions.create(**request)
-        except openai.APIError as err:
-            status = getattr(err, "status_code", None)
-            cause = f"HTTP {status}" if status else type(err).__name__
-            raise EndpointError(
-                f"{self.endpoint.base_url}: chat completion failed after {self.endpoint.max_retries} retries ({cause})"
-            ) from None
+            sent = send_with_retries(self.client, request, self.retry, endpoint=self.endpoint.base_url,
+                                     redact=self._redact)
+        except EndpointError as err:
+            self.usage.add_failed(err.attempts)
+            raise
+        self.usage.add_failed(sent.attempts - 1)
+        return sent.reply, sent.body
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

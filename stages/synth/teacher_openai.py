@@ -5,7 +5,8 @@ It is the shared `OpenAIEngine` (concurrency, retries with backoff, token counts
   the system prompt the endpoint sees; the trajectory keeps the plain protocol prompt, which is what the
   student is trained and later prompted with;
 - a disk cache of replies (`DiskReplyCache`) keyed by request and occurrence: an interrupted or repeated run
-  pays for no request twice;
+  pays for no request twice; only validated replies are stored, and an entry that fails validation on reading
+  is discarded and asked for again;
 - per-sample seeds come from the shared engine: the n-th identical request carries `seed + n`.
 
 The API key is read by the engine from the environment variable `rollout.openai.api_key_env` names; it is
@@ -21,6 +22,7 @@ Exemplar file format (one trajectory per file; images are described in words, ne
 from __future__ import annotations
 
 import json
+import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,11 +32,14 @@ from PIL import Image
 
 from loupe.config import OpenAIEndpointParams
 from loupe.data.tasks import TaskRecord
+from loupe.endpoint import MalformedReply, validate_reply
 from loupe.io import atomic_write_json
 from loupe.protocol import IMAGE_PLACEHOLDER, Protocol
 from loupe.rewards import RewardConfig, score
 from loupe.rollout.openai_engine import OpenAIEngine, UsageCounter
 from stages.synth.params import OpenAITeacherParams
+
+log = logging.getLogger(__name__)
 
 
 class ExemplarError(ValueError):
@@ -121,10 +126,12 @@ def few_shot_block(exemplars: list[Exemplar]) -> str:
 
 
 class DiskReplyCache:
-    """Replies on disk, one JSON file per request key (`<dir>/<key[:2]>/<key>.json`), written atomically.
+    """Chat completions on disk, one JSON file per request key (`<dir>/<key[:2]>/<key>.json`), written atomically.
 
-    Safe across threads and processes (each write is a rename); an unreadable file counts as a miss, so a
-    reply cut short by a crash is simply asked for again.
+    Safe across threads and processes (each write is a rename). A file that cannot be read or decoded, or whose
+    reply does not pass `loupe.endpoint.validate_reply` (cut short, another shape, written by an older Loupe
+    that stored malformed replies), counts as a miss, so the reply is asked for again and the fresh one takes
+    its place. The engine stores only replies that validated.
     """
 
     def __init__(self, folder: str | Path):
@@ -136,9 +143,18 @@ class DiskReplyCache:
         return self.folder / key[:2] / f"{key}.json"
 
     def get(self, key: str) -> dict[str, Any] | None:
+        path = self._path(key)
         try:
-            reply = json.loads(self._path(key).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            reply = json.loads(path.read_text(encoding="utf-8"))
+            validate_reply(reply)
+        except FileNotFoundError:
+            self.misses += 1
+            return None
+        except (OSError, ValueError, RecursionError, MalformedReply) as err:
+            # ValueError covers bad JSON and bad UTF-8 (UnicodeDecodeError is one).
+            # Not deleted: the fresh reply's atomic rename replaces it, and a delete could race another process's
+            # rename of a good reply into the same place.
+            log.warning("reply cache: %s is not a valid reply (%s); it is ignored and asked for again", path, err)
             self.misses += 1
             return None
         self.hits += 1
@@ -199,6 +215,7 @@ def usage_report(usage: UsageCounter, params: OpenAITeacherParams) -> dict[str, 
 
     return {
         "requests": usage.requests,
+        "failed_requests": usage.failed_requests,
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "cost": cost(usage.prompt_tokens, usage.completion_tokens),
