@@ -44,7 +44,8 @@ class ProtocolParams(Section):
     """How the model talks and what it may see: shared by synth, rl and eval."""
 
     name: str = "mini_o3"
-    """Protocol variant (loupe.protocol.PROTOCOLS): mini_o3, deepeyes or single_turn."""
+    """Protocol variant (loupe.protocol.PROTOCOLS): mini_o3 (Mini-o3's grammar and its own prompt strings), loupe
+    (the same grammar in Loupe's wording), deepeyes or single_turn."""
     min_pixels: int = Field(3136, gt=0)
     """Smallest area (px) of an image shown to the model; crops are scaled up to it. Mini-o3: 40,000."""
     max_pixels: int = Field(50176, gt=0)

@@ -7,13 +7,18 @@ parsed, how the tool's answer comes back, and when generation stops. The rollout
 
 Variants:
 - `mini_o3` (default): `<think>…</think>` then `<grounding>{"bbox_2d": [x0, y0, x1, y1], "source": …}</grounding>`
-  with coordinates relative to the named source, or `<answer>…</answer>`.
+  with coordinates relative to the named source, or `<answer>…</answer>`. Its system prompt, observation and
+  error turns are Mini-o3's own strings (the `MINI_O3_*` compatibility constants below), so Mini-o3's released
+  checkpoints are evaluated and fine-tuned on the text they were trained with.
+- `loupe`: the same grammar with Loupe's own wording (names the `observation_N` sources, states x0 < x1).
 - `deepeyes`: `<tool_call>{"name": "image_zoom_in_tool", "arguments": {"bbox_2d": [...]}}</tool_call>` with
   absolute pixel coordinates on the original image.
 - `single_turn`: R1-V style `<think>…</think><answer>…</answer>`, no tools.
 
 `Protocol.parse` never raises on model output: anything malformed becomes an `Action` holding a typed
-`FormatError`, which the loop sends back as an error observation saying what was wrong.
+`FormatError`, which the loop sends back as an error observation saying what was wrong. The parser's policy for
+each corner case (text after a call, coordinates a hair outside [0, 1], sub-pixel boxes, bounded error
+messages) is written down in docs/architecture.md, "Parser policy".
 """
 
 from __future__ import annotations
@@ -34,6 +39,61 @@ IMAGE_PLACEHOLDER = "<image>"
 """Where an image goes in a turn's text (LLaMA-Factory's placeholder; chat templates expand it)."""
 
 ORIGINAL_IMAGE = "original_image"
+
+# --- Mini-o3 compatibility constants ------------------------------------------------------------------------
+# Byte for byte from github.com/Mini-o3/Mini-o3 (commit 8654dbf), verl/trainer/constants.py, because Mini-o3's
+# checkpoints were trained on exactly these strings. Their typos ("the the", "Countinue") are part of them.
+# tests/test_protocol.py holds each constant equal to a copy written from that file.
+
+MINI_O3_SYSTEM_PROMPT = (
+    "You are a helpful assistant. Answer the user's question based on the image provided. Output your thinking "
+    "process within the <think> and </think> tags. Whenever you find anything unclear, you can zoom in a specific "
+    "region in the given image to see more clearly by outputing <grounding>{\"bbox_2d\": [x0, y0, x1, y1], "
+    "\"source\": \"original_image\"}</grounding>, where (x0, y0) and (x1, y1) are the top-left and bottom-right "
+    "coordinates of the region that you want to zoom in, respectively (suppose the width and height of the image "
+    "are 1.0), and 'source' refers to the image that you zoom in and could be either 'original_image' or "
+    "'observation_i'. Once the final answer is confirmed, put it within <answer> and </answer>."
+)
+"""`TOOL_CROP_SYSTEM_PROMPT`, the system turn of every Mini-o3 dialogue (`data.system_prompt="tool_crop"` in its
+README's train and eval commands, looked up in `SYSTEM_PROMPT_MAP`; `make_conversation_multimodal` in
+verl/utils/dataset/multimodal_dataset.py puts it first, then the record's `problem` as the user turn)."""
+
+MINI_O3_OBSERVATION_TEMPLATE = (
+    "After the above Action {action_turn}, here is the the zoom-in image (Observation {observation_turn}):\n"
+    "<|vision_start|><|image_pad|><|vision_end|>.\nContinue your reasoning process inside <think> and </think>. "
+    "If needed, you can continue to zoom in on the original image or any of the observations, by outputting "
+    "<grounding> and </grounding> as before. If the final answer is confirmed, put your final answer inside "
+    "<answer> and </answer>."
+)
+"""`TOOL_CALL_CROP_MULTI_TRUN_PROMPT`, the user turn returning a crop. `vLLMRollout.process_tool_call` in
+verl/workers/rollout/vllm_rollout/vllm_async_engine.py (the `rollout.mode="async"` engine of Mini-o3's demo and
+eval commands) fills it with `action_turn=current_iteration, observation_turn=current_iteration+1`, where
+`current_iteration` counts the dialogue's assistant turns from 0: the first crop is "Action 0 … Observation 1"."""
+
+MINI_O3_IMAGE_MARKUP = "<|vision_start|><|image_pad|><|vision_end|>"
+"""One image in Qwen2.5-VL's chat text: what the chat template (and LLaMA-Factory's qwen2_vl template) writes for
+an `<image>` placeholder, so Loupe's turns hold `IMAGE_PLACEHOLDER` where Mini-o3's constant holds this."""
+
+MINI_O3_TOOL_ERROR_TEMPLATE = "ERROR occurs during grounding. Error Information: {error_info}.\n"
+"""What `vLLMRollout.process_tool_call` (vllm_async_engine.py) sends when a grounding call fails, followed by
+`MINI_O3_ERROR_PROMPT` in the same user turn."""
+
+MINI_O3_ERROR_PROMPT = (
+    "Please analyze the error information obtained from the function tool and adjust your response. "
+    "Countinue your reasoning process inside <think> and </think>."
+)
+"""`ERROR_INFO_MULTI_TURN_PROMPT` (verl/trainer/constants.py), the rest of an error turn."""
+
+MAX_ERROR_DETAIL = 200
+"""The most characters of detail an error observation carries, whatever the model wrote (docs: Parser policy)."""
+
+RELATIVE_TOLERANCE = 1e-3
+"""How far outside [0, 1] a relative coordinate may fall and still be clamped into it: one unit of the third
+decimal. Models write boxes with two or three decimals, and a corner computed as x0 + width and rounded can
+overshoot the edge by that much (1.001, -0.001); a coordinate farther out is a mistake, not rounding."""
+
+ABSOLUTE_TOLERANCE = 0.5
+"""How far below 0 an absolute (pixel) coordinate may fall and still be clamped to 0: under half a pixel."""
 
 
 class FormatErrorKind(str, Enum):
@@ -88,12 +148,31 @@ class Action:
         return "call" if self.call is not None else "answer"
 
 
+def clip_text(text: str, limit: int = MAX_ERROR_DETAIL) -> str:
+    """`text` cut to at most `limit` characters, ending in "..." when cut."""
+    return text if len(text) <= limit else text[: max(limit - 3, 0)] + "..."
+
+
+def _shown(value: Any, limit: int = 40) -> str:
+    """A value from the model's JSON as a short string for an error message (JSON spelling, cut to `limit`)."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError, RecursionError):  # e.g. an int past Python's 4,300-digit str() limit
+        text = f"<a {type(value).__name__}>"
+    return clip_text(text, limit)
+
+
+def _error_detail(detail: str | FormatError) -> str:
+    """The sentence an error turn carries, bounded to `MAX_ERROR_DETAIL` characters."""
+    return clip_text(detail.detail if isinstance(detail, FormatError) else str(detail))
+
+
 class _Invalid(Exception):
     """Internal: carries a FormatError out of nested checks; never leaves this module."""
 
     def __init__(self, kind: FormatErrorKind, detail: str):
         super().__init__(detail)
-        self.error = FormatError(kind, detail)
+        self.error = FormatError(kind, clip_text(detail))
 
 
 _THINK = re.compile(r"<think>(.*?)</think>", re.S)
@@ -122,7 +201,7 @@ def _load_json_object(payload: str, what: str) -> dict[str, Any]:
     except _Invalid:
         raise
     except (ValueError, RecursionError) as err:
-        raise _Invalid(FormatErrorKind.BAD_JSON, f"{what} is not valid JSON ({err})") from None
+        raise _Invalid(FormatErrorKind.BAD_JSON, f"{what} is not valid JSON ({clip_text(str(err), 80)})") from None
     if not isinstance(value, dict):
         raise _Invalid(FormatErrorKind.WRONG_TYPE, f"{what} must be a JSON object, got {type(value).__name__}")
     return value
@@ -134,11 +213,18 @@ def _check_keys(obj: dict[str, Any], required: tuple[str, ...], what: str) -> No
             raise _Invalid(FormatErrorKind.MISSING_KEY, f"{what} lacks the key '{key}'")
     extra = sorted(set(obj) - set(required))
     if extra:
-        raise _Invalid(FormatErrorKind.WRONG_TYPE, f"{what} has unexpected keys {extra}")
+        shown = ", ".join(_shown(key, 30) for key in extra[:3]) + (", ..." if len(extra) > 3 else "")
+        raise _Invalid(FormatErrorKind.WRONG_TYPE, f"{what} has unexpected keys [{shown}]")
 
 
 def _check_box(value: Any, upper: float | None) -> tuple[float, float, float, float]:
-    """A 4-number box with x0 < x1, y0 < y1, each in [0, upper] (no upper bound when None)."""
+    """A 4-number box with x0 < x1, y0 < y1, each in [0, upper] (no upper bound when None).
+
+    A coordinate within the tolerance outside the range (`RELATIVE_TOLERANCE` for relative boxes,
+    `ABSOLUTE_TOLERANCE` below 0 for pixel boxes) is clamped into it; one farther out is refused. The numbers are
+    otherwise kept exactly as written: a box too small to cover a pixel passes here and the crop tool, which
+    knows the source's size, refuses it.
+    """
     if not isinstance(value, list) or len(value) != 4:
         raise _Invalid(FormatErrorKind.WRONG_TYPE, "'bbox_2d' must be a list of four numbers [x0, y0, x1, y1]")
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
@@ -149,12 +235,14 @@ def _check_box(value: Any, upper: float | None) -> tuple[float, float, float, fl
         raise _Invalid(FormatErrorKind.OUT_OF_RANGE, "'bbox_2d' holds a number far out of range") from None
     if not all(math.isfinite(v) for v in box):
         raise _Invalid(FormatErrorKind.NOT_FINITE, "'bbox_2d' holds a number that is not finite")
-    limit = "[0, 1]" if upper == 1.0 else "non-negative pixels"
-    if any(v < 0 or (upper is not None and v > upper) for v in box):
-        raise _Invalid(FormatErrorKind.OUT_OF_RANGE, f"'bbox_2d' coordinates must be {limit}, got {list(value)}")
-    x0, y0, x1, y1 = box
+    limit = "in [0, 1]" if upper == 1.0 else "non-negative pixels"
+    slack = RELATIVE_TOLERANCE if upper == 1.0 else ABSOLUTE_TOLERANCE
+    if any(v < -slack or (upper is not None and v > upper + slack) for v in box):
+        raise _Invalid(FormatErrorKind.OUT_OF_RANGE, f"'bbox_2d' coordinates must be {limit}, got {_shown(value, 80)}")
+    top = upper if upper is not None else math.inf
+    x0, y0, x1, y1 = (0.0 if v <= 0 else min(v, top) for v in box)  # -0.0 becomes 0.0 too
     if x1 <= x0 or y1 <= y0:
-        raise _Invalid(FormatErrorKind.EMPTY_BOX, f"'bbox_2d' needs x0 < x1 and y0 < y1, got {list(value)}")
+        raise _Invalid(FormatErrorKind.EMPTY_BOX, f"'bbox_2d' needs x0 < x1 and y0 < y1, got {_shown(value, 80)}")
     return x0, y0, x1, y1
 
 
@@ -186,8 +274,24 @@ class Protocol:
         raise NotImplementedError
 
     def question_text(self, task: TaskRecord) -> str:
-        """The first user turn: one image placeholder per task image, the question, the options."""
-        lines = [IMAGE_PLACEHOLDER * len(task.images), task.problem.strip()]
+        """The first user turn: one image placeholder per task image, the question, the options.
+
+        A `problem` that already holds one placeholder per image (Mini-o3's records start with "<image>\n") is
+        used as it is, with no second set; a problem holding some other number of placeholders cannot be
+        matched to its images and raises ValueError naming the task (the task reader should refuse it first).
+        """
+        problem = task.problem.strip()
+        placeholders = problem.count(IMAGE_PLACEHOLDER)
+        if placeholders == 0:
+            lines = [IMAGE_PLACEHOLDER * len(task.images), problem]
+        elif placeholders == len(task.images):
+            lines = [problem]
+        else:
+            raise ValueError(
+                f"task {clip_text(task.doc_id, 80)!r}: field 'problem' holds {placeholders} {IMAGE_PLACEHOLDER} "
+                f"placeholders but the task has {len(task.images)} images; give none (one per image is added) "
+                "or exactly one per image"
+            )
         if task.options:
             lines.append("Options:")
             lines += [f"({letter}) {text}" for letter, text in zip(OPTION_LETTERS, task.options)]
@@ -198,10 +302,14 @@ class Protocol:
         """The user turn that returns crop number `index` (1-based) to the model, holding one image placeholder."""
         raise NotImplementedError
 
-    def error_text(self, detail: str) -> str:
-        """The user turn that tells the model why its last turn was not usable (no image)."""
+    def error_text(self, detail: str | FormatError) -> str:
+        """The user turn that tells the model why its last turn was not usable (no image).
+
+        `detail` is a sentence (a `FormatError`'s or a tool error's) or the `FormatError` itself; it is cut to
+        `MAX_ERROR_DETAIL` characters, whatever produced it.
+        """
         return (
-            f"Your last turn could not be carried out: {detail}. "
+            f"Your last turn could not be carried out: {_error_detail(detail)}. "
             "Continue your reasoning inside <think> and </think>, then either call the tool correctly or answer."
         )
 
@@ -214,15 +322,27 @@ class Protocol:
         except Exception as err:  # a bug in a variant must still not end a rollout
             return Action(error=FormatError(FormatErrorKind.BAD_JSON, f"unreadable turn ({type(err).__name__})"))
 
+    def cut_at_call(self, text: str) -> str:
+        """The turn as the stop string ends it: up to and including the first call's closing tag.
+
+        Engines that honour `stop` (transformers, vLLM) never produce more; an endpoint or teacher that ignores
+        it may. The parser reads only this part, so a turn means the same whichever engine wrote it; the loop
+        may record this part as the turn. Text holding no complete call comes back unchanged.
+        """
+        if not self.call_open:
+            return text
+        start = text.find(self.call_open)
+        end = text.find(self.call_close, start) if start >= 0 else -1
+        return text if end < 0 else text[: end + len(self.call_close)]
+
     def _parse(self, text: str, num_observations: int) -> Action:
+        text = self.cut_at_call(text)  # what follows the first complete call is ignored (docs: Parser policy)
         call_parts = _split_single(text, self.call_open, self.call_close) if self.call_open else None
         if call_parts is None:
             return self._parse_answer_or_nothing(text)
-        before, payload, after = call_parts
-        if "<answer>" in before or "<answer>" in after:
+        before, payload, _ = call_parts
+        if "<answer>" in before:
             raise _Invalid(FormatErrorKind.CALL_AND_ANSWER, "a turn must either call the tool or answer, not both")
-        if after.strip():
-            raise _Invalid(FormatErrorKind.TRAILING_TEXT, f"nothing may follow {self.call_close}")
         return Action(think=extract_think(before), call=self._read_call(payload, num_observations))
 
     def _read_call(self, payload: str, num_observations: int) -> ToolCall:
@@ -258,11 +378,64 @@ def _short_relative_box(box: list[float]) -> list[float]:
 
 
 class MiniO3Protocol(Protocol):
-    """Mini-o3's grounding tool: relative boxes on the original image or any earlier observation."""
+    """Mini-o3's grounding tool and Mini-o3's own wording: relative boxes on the original or an earlier observation.
+
+    The system prompt, observation turn and error turn are the `MINI_O3_*` constants. Observations are numbered
+    as Mini-o3 numbers them when every call succeeds: crop N is "Action N-1 … Observation N", and the model names
+    it "observation_N". (After a failed call Mini-o3 numbers by assistant turn, so its text then names an
+    observation that its own tool does not know; Loupe keeps Observation N = observation_N.)
+    """
 
     name = "mini_o3"
     stop = ("</grounding>",)
     call_open, call_close = "<grounding>", "</grounding>"
+
+    def system_prompt(self) -> str:
+        return MINI_O3_SYSTEM_PROMPT
+
+    def observation_text(self, index: int) -> str:
+        text = MINI_O3_OBSERVATION_TEMPLATE.format(action_turn=index - 1, observation_turn=index)
+        return text.replace(MINI_O3_IMAGE_MARKUP, IMAGE_PLACEHOLDER)
+
+    def error_text(self, detail: str | FormatError) -> str:
+        return MINI_O3_TOOL_ERROR_TEMPLATE.format(error_info=_error_detail(detail)) + MINI_O3_ERROR_PROMPT
+
+    def _read_call(self, payload: str, num_observations: int) -> ToolCall:
+        obj = _load_json_object(payload, "the grounding call")
+        _check_keys(obj, ("bbox_2d", "source"), "the grounding call")
+        box = _check_box(obj["bbox_2d"], upper=1.0)
+        source = obj["source"]
+        if not isinstance(source, str):
+            raise _Invalid(FormatErrorKind.WRONG_TYPE, "'source' must be a string")
+        match = _OBSERVATION_SOURCE.fullmatch(source)
+        if source != ORIGINAL_IMAGE and not (match and int(match.group(1)) <= num_observations):
+            raise _Invalid(
+                FormatErrorKind.UNKNOWN_SOURCE,
+                f"unknown source {clip_text(source, 40)!r}; known: {_known_sources(num_observations)}",
+            )
+        if match:  # one name per image: observation_01 is observation_1, observation_0 the original
+            number = int(match.group(1))
+            source = f"observation_{number}" if number else ORIGINAL_IMAGE
+        return ToolCall("crop", {"bbox_2d": list(box), "source": source, "frame": "relative"})
+
+    def render_call(self, think: str, call: ToolCall) -> str:
+        args = {"bbox_2d": _short_relative_box(call.arguments["bbox_2d"]), "source": call.arguments["source"]}
+        return f"<think>{think}</think>\n{self.call_open}{json.dumps(args)}{self.call_close}"
+
+
+def _known_sources(num_observations: int) -> str:
+    """The source names that exist after `num_observations` crops, written in a bounded length."""
+    if num_observations <= 0:
+        return ORIGINAL_IMAGE
+    if num_observations <= 3:
+        return ", ".join([ORIGINAL_IMAGE] + [f"observation_{i}" for i in range(1, num_observations + 1)])
+    return f"{ORIGINAL_IMAGE}, observation_1 ... observation_{num_observations}"
+
+
+class LoupeProtocol(MiniO3Protocol):
+    """Mini-o3's grammar with Loupe's own wording: names the `observation_N` sources and the box rules."""
+
+    name = "loupe"
 
     def system_prompt(self) -> str:
         return (
@@ -284,26 +457,8 @@ class MiniO3Protocol(Protocol):
             "inside <answer> and </answer>."
         )
 
-    def _read_call(self, payload: str, num_observations: int) -> ToolCall:
-        obj = _load_json_object(payload, "the grounding call")
-        _check_keys(obj, ("bbox_2d", "source"), "the grounding call")
-        box = _check_box(obj["bbox_2d"], upper=1.0)
-        source = obj["source"]
-        if not isinstance(source, str):
-            raise _Invalid(FormatErrorKind.WRONG_TYPE, "'source' must be a string")
-        match = _OBSERVATION_SOURCE.fullmatch(source)
-        if source != ORIGINAL_IMAGE and not (match and int(match.group(1)) <= num_observations):
-            known = [ORIGINAL_IMAGE] + [f"observation_{i}" for i in range(num_observations + 1)]
-            shown = source if len(source) <= 40 else source[:40] + "..."
-            raise _Invalid(FormatErrorKind.UNKNOWN_SOURCE, f"unknown source {shown!r}; known: {', '.join(known)}")
-        if match:  # one name per image: observation_01 is observation_1, observation_0 the original
-            number = int(match.group(1))
-            source = f"observation_{number}" if number else ORIGINAL_IMAGE
-        return ToolCall("crop", {"bbox_2d": list(box), "source": source, "frame": "relative"})
-
-    def render_call(self, think: str, call: ToolCall) -> str:
-        args = {"bbox_2d": _short_relative_box(call.arguments["bbox_2d"]), "source": call.arguments["source"]}
-        return f"<think>{think}</think>\n{self.call_open}{json.dumps(args)}{self.call_close}"
+    def error_text(self, detail: str | FormatError) -> str:
+        return Protocol.error_text(self, detail)  # Loupe's wording, not the Mini-o3 turn the parent sends
 
 
 class DeepEyesProtocol(Protocol):
@@ -327,8 +482,10 @@ class DeepEyesProtocol(Protocol):
     def _read_call(self, payload: str, num_observations: int) -> ToolCall:
         obj = _load_json_object(payload, "the tool call")
         _check_keys(obj, ("name", "arguments"), "the tool call")
-        if obj["name"] != self.tool_name:
-            raise _Invalid(FormatErrorKind.UNKNOWN_TOOL, f"unknown tool {obj['name']!r}; use {self.tool_name!r}")
+        name = obj["name"]
+        if name != self.tool_name:
+            shown = repr(clip_text(name, 40)) if isinstance(name, str) else _shown(name)
+            raise _Invalid(FormatErrorKind.UNKNOWN_TOOL, f"unknown tool {shown}; use {self.tool_name!r}")
         if not isinstance(obj["arguments"], dict):
             raise _Invalid(FormatErrorKind.WRONG_TYPE, "'arguments' must be a JSON object")
         _check_keys(obj["arguments"], ("bbox_2d",), "the tool call's arguments")
@@ -362,7 +519,7 @@ class SingleTurnProtocol(Protocol):
 
 
 PROTOCOLS: dict[str, type[Protocol]] = {
-    cls.name: cls for cls in (MiniO3Protocol, DeepEyesProtocol, SingleTurnProtocol)
+    cls.name: cls for cls in (MiniO3Protocol, LoupeProtocol, DeepEyesProtocol, SingleTurnProtocol)
 }
 
 

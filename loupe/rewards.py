@@ -4,9 +4,11 @@ One entry point, `score(...)`, turns a finished trajectory's facts (its answer, 
 errors, whether it reasoned in `<think>`) into `RewardParts`; RL sums them into a scalar, eval reads the accuracy.
 
 - **Choice questions**: `extract_choice` runs a letter cascade on the answer text (lone letter, "answer is X",
-  "(X)", "X." at the start, then a unique option-text match) and compares the letter with the solution.
-- **Free-form questions**: `exact_match` after `normalize_answer` (case, punctuation, articles, number words);
-  when configured, an `LLMJudge` decides the answers exact match could not confirm.
+  "X is correct", "(X)", "X." at the start, then a unique option-text match) and compares the letter with the
+  solution; an answer that merely repeats the option list names no letter.
+- **Free-form questions**: `exact_match` after `normalize_answer` (case, punctuation, articles, number words;
+  never erasing a whole answer, so "A" matches "A"); when configured, an `LLMJudge` decides the answers exact
+  match could not confirm.
 - **Invalid, never zero**: a judge that still fails after its retries makes the reward *invalid*
   (`valid=False`, `accuracy=None`, `total=None`). Callers drop or retry invalid rewards; scoring an outage as
   a wrong answer would teach the policy (and report in eval) something that never happened.
@@ -23,11 +25,8 @@ import importlib.util
 import inspect
 import json
 import logging
-import os
-import random
 import re
 import threading
-import time
 import unicodedata
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -42,7 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from loupe.data.tasks import OPTION_LETTERS, TaskRecord
 from loupe.io import atomic_write_json
-from loupe.protocol import extract_answer
+from loupe.protocol import IMAGE_PLACEHOLDER, extract_answer
 from loupe.trajectory import END_REASONS, Trajectory
 
 log = logging.getLogger(__name__)
@@ -67,7 +66,8 @@ class JudgeConfig(BaseModel):
     timeout_s: float = Field(default=30.0, gt=0)
     """Seconds one HTTP request may take before it counts as a failed attempt."""
     max_retries: int = Field(default=4, ge=0)
-    """Retries after the first attempt on 408/409/429/5xx, timeouts, connection errors and unparseable replies."""
+    """Retries after the first attempt on 408/409/429/5xx, timeouts, connection errors, malformed HTTP 200 replies
+    and replies without a score (loupe.endpoint)."""
     backoff_s: float = Field(default=1.0, ge=0)
     """First retry waits about this long; each later one doubles it, with +-50% jitter."""
     max_backoff_s: float = Field(default=30.0, ge=0)
@@ -125,42 +125,95 @@ class RewardConfig(BaseModel):
 # backtracks for minutes.
 _LONE_LETTER = re.compile(r"[(\[{]? ?([A-Za-z]) ?[)\]}]? ?[.:,;!]?")
 _ANSWER_CUE = re.compile(r"(?i:\b(?:answer|option|choice)\b)|\\boxed\{")
+# The letter after a cue may be lowercase ("option b"); "e.g."/"i.e." are abbreviations, not letters.
 _AFTER_ANSWER = re.compile(
-    r" ?(?:(?i:is)\b|[:=])? ?:? ?(?:(?i:(?:the )?(?:option|choice))\b ?)?:? ?([(\[]?)([A-Z])([)\]]?)(?![A-Za-z0-9])"
+    r" ?(?:(?i:is)\b|[:=])? ?:? ?(?:(?i:(?:the )?(?:option|choice))\b ?)?:? ?([(\[]?)([A-Za-z])([)\]]?)"
+    r"(?![A-Za-z0-9]|\.[A-Za-z])"
 )
-_AFTER_BOXED = re.compile(r" ?(\(?)([A-Z])(\)?) ?\}")
-_PARENTHESISED = re.compile(r"\(([A-Z])\)")
+_AFTER_BOXED = re.compile(r" ?(\(?)([A-Za-z])(\)?) ?\}")
+# Another letter joined on by a list word ("A, B, C or D", "A/B", "(A) or (B)"), ending where a list item ends.
+_LIST_CONTINUATION = re.compile(
+    r" ?(?:[,/&;]|(?i:or|and)\b) ?[(\[]?([A-Za-z])[)\]]?(?= ?(?:$|[,.;:!?/&]|(?i:or|and)\b))"
+)
+_LETTER_IS_CORRECT = re.compile(
+    r"(?<![A-Za-z0-9'])[(\[]?([A-Za-z])[)\]]? (?:is|seems|looks) (?:to be )?(?:the )?(?:correct|right)\b"
+)
+# "(B)" anywhere; a lowercase "(b)" only as a word of its own, so "car(s)" is not option S.
+_PARENTHESISED = re.compile(r"\(([A-Z])\)|(?<!\S)\(([a-z])\)")
 _LEADING_LETTER = re.compile(r"([A-Z]) ?[.):](?= |$)")
+_ENUMERATOR = re.compile(r"(?<!\S)[(\[]?([A-Z])[.):\]](?= |$)")
+_WORD = re.compile(r"[^\W_]+")
 _WHITESPACE = re.compile(r"\s+")
 # After "answer is A"/"Answer: I" a following lowercase word usually means the article or pronoun began a
 # sentence ("Answer: A red car"); these words still read as the letter ("the answer is A because ...").
 _LETTER_CONNECTIVES = {"because", "since", "as", "and", "so", "which", "is", "was", "seems", "looks", "here"}
+_LIST_WORDS = {"or", "and", "either", "nor", "neither"}
 
 
 def _window(text: str, start: int, size: int = 80) -> str:
     return _WHITESPACE.sub(" ", text[start : start + 4 * size])[:size]
 
 
+def _lists_letters(after: str, letter: str, letters: str) -> bool:
+    """Whether `after` (the text right after a letter) joins another option letter on, as in "A, B or C"."""
+    more = _LIST_CONTINUATION.match(after)
+    return bool(more) and more.group(1).upper() in letters and more.group(1).upper() != letter
+
+
 def _answer_is_letter(text: str, letters: str) -> str | None:
-    """Rule (b): the last "answer is X" / "answer: X" / "option X" / "\\boxed{X}" naming a valid letter."""
+    """Rule (b): the last "answer is X" / "answer: X" / "option X" / "\\boxed{X}" naming a valid letter.
+
+    A lowercase letter counts here too ("option b"); "a" and "i" (either case, unbracketed) followed by a
+    lowercase word are taken for the article or pronoun. A letter that starts a list of letters ("the answer is
+    A, B or C") names no choice.
+    """
     found = None
     for cue in _ANSWER_CUE.finditer(text):
         window = _window(text, cue.end())
         pattern = _AFTER_BOXED if cue.group().startswith("\\") else _AFTER_ANSWER
         m = pattern.match(window)
-        if m is None or m.group(2) not in letters:
+        if m is None or m.group(2).upper() not in letters:
             continue
-        opened, letter, closed = m.groups()
+        opened, letter, closed = m.group(1), m.group(2).upper(), m.group(3)
         if letter in "AI" and not (opened or closed):
             next_word = re.match(r" ([A-Za-z]+)", window[m.end() :])
             if next_word and next_word.group(1)[0].islower() and next_word.group(1) not in _LETTER_CONNECTIVES:
                 continue
+        if _lists_letters(window[m.end() :], letter, letters):
+            continue
         found = letter
     return found
 
 
+def _letter_is_correct(text: str, letters: str) -> str | None:
+    """Rule (c): the last "X is correct" / "(X) is the right ..." naming a valid letter, unless it ends a list."""
+    found = None
+    collapsed = _WHITESPACE.sub(" ", text)
+    for m in _LETTER_IS_CORRECT.finditer(collapsed):
+        letter = m.group(1).upper()
+        before = collapsed[max(0, m.start() - 12) : m.start()]
+        if letter in letters and not re.search(r"(?:[,/&;]|\b(?i:or|and)) ?$", before):
+            found = letter
+    return found
+
+
+def _only_lists_options(text: str, options: list[str], letters: str) -> bool:
+    """Whether the prediction merely repeats the option list: two or more letters and nothing else.
+
+    Nothing else means: once the option texts are taken out, every word left is an option letter or a list word
+    ("or", "and"), as in "(A) red (B) green (C) blue" or "A, B, C or D". Such an answer picks no option.
+    """
+    rest = text.lower()
+    for option in sorted({o.strip().lower() for o in options}, key=len, reverse=True):
+        if option:
+            rest = rest.replace(option, " ")
+    words = _WORD.findall(rest)
+    named = {w.upper() for w in words if len(w) == 1 and w.upper() in letters}
+    return len(named) >= 2 and all(w in _LIST_WORDS or w.upper() in named for w in words)
+
+
 def _option_text_match(text: str, options: list[str], letters: str) -> str | None:
-    """Rule (e): the one option whose normalised text equals, else appears as whole words in, the prediction."""
+    """Rule (f): the one option whose normalised text equals, else appears as whole words in, the prediction."""
     prediction = normalize_answer(text)
     if not prediction:
         return None
@@ -176,16 +229,20 @@ def extract_choice(prediction: str, options: list[str]) -> str | None:
     """The option letter a prediction names, or None; never raises.
 
     Tried in order, the first rule that names a letter within the options wins:
-    (a) the whole prediction is one letter, optionally bracketed or followed by punctuation ("B", "(B)", "b.");
-        lowercase counts only here, where nothing else could be meant;
-    (b) "answer is X", "answer: X", "answer is option (X)", "option X", "\\boxed{X}" (the last such);
-    (c) "(X)" anywhere, when exactly one distinct valid letter appears so ("(A) or (B)" is no answer);
-    (d) "X." / "X)" / "X:" at the start ("B. the red car");
-    (e) option text: the one option whose normalised text equals the prediction's, else the one that appears in
+    (a) the whole prediction is one letter, optionally bracketed or followed by punctuation ("B", "(b)", "b.");
+    then, if the prediction merely repeats the option list ("(A) red (B) green", "A, B, C or D"), None;
+    (b) "answer is X", "answer: X", "answer is option (X)", "option X", "option b", "\\boxed{X}" (the last such;
+        one that starts a list of letters, "the answer is A, B or C", does not count);
+    (c) "X is correct", "(b) is the right one" (the last such);
+    (d) "(X)" anywhere (lowercase "(x)" as a word of its own), when exactly one distinct valid letter appears
+        so ("(A) or (B)" is no answer);
+    (e) "X." / "X)" / "X:" at the start ("B. the red car"), unless another letter is enumerated so later;
+    (f) option text: the one option whose normalised text equals the prediction's, else the one that appears in
         it as whole words (two appearing is ambiguous: None).
-    Letters outside the option range never count. Rules (b)-(d) need uppercase letters, so the article "a" in
-    running text is not taken for option A. An `<answer>…</answer>` wrapper, if present, is looked inside, and
-    markdown asterisks are ignored.
+    Letters outside the option range never count. Lowercase letters count in (a), right after a cue in (b),
+    before "is correct" in (c) and bracketed in (d); "a" and "i" followed by a lowercase word are read as the
+    article or pronoun, so "the answer is a red car" is not option A. An `<answer>…</answer>` wrapper, if
+    present, is looked inside, and markdown asterisks are ignored.
     """
     if not isinstance(prediction, str) or not options:
         return None
@@ -197,15 +254,19 @@ def extract_choice(prediction: str, options: list[str]) -> str | None:
     lone = _LONE_LETTER.fullmatch(short)
     if lone and lone.group(1).upper() in letters:
         return lone.group(1).upper()
-    letter = _answer_is_letter(text, letters)
+    if _only_lists_options(text, options, letters):
+        return None
+    letter = _answer_is_letter(text, letters) or _letter_is_correct(text, letters)
     if letter:
         return letter
-    in_parentheses = {m for m in _PARENTHESISED.findall(text) if m in letters}
+    in_parentheses = {(upper or lower).upper() for upper, lower in _PARENTHESISED.findall(text)} & set(letters)
     if len(in_parentheses) == 1:
         return in_parentheses.pop()
     leading = _LEADING_LETTER.match(_window(text, len(text) - len(text.lstrip()), size=4))
     if leading and leading.group(1) in letters:
-        return leading.group(1)
+        enumerated = {m for m in _ENUMERATOR.findall(_WHITESPACE.sub(" ", text)) if m in letters}
+        if enumerated <= {leading.group(1)}:
+            return leading.group(1)
     return _option_text_match(text, options, letters)
 
 
@@ -260,16 +321,22 @@ def normalize_answer(text: str | None) -> str:
     """Lowercase, drop punctuation, symbols and articles, collapse spaces, write numbers 0-20 and decimals one way.
 
     "The Red Car!" -> "red car"; "Twelve" -> "12"; "1,000" -> "1000"; "3.50" -> "3.5"; "don't" -> "dont".
-    A dot between digits is a decimal point and stays.
+    A dot between digits is a decimal point and stays. Never erases a whole answer: an answer made only of
+    articles keeps its last word ("A" -> "a", "the A" -> "a"), and one made only of punctuation and symbols is
+    kept as written, lowercased with spaces collapsed ("?!" -> "?!").
     """
     if not isinstance(text, str):
         return ""
-    text = unicodedata.normalize("NFKC", text).lower()
-    text = text.replace("'", "").replace("\u2019", "")
+    folded = unicodedata.normalize("NFKC", text).lower()
+    text = folded.replace("'", "").replace("\u2019", "")
     text = _THOUSANDS_SEPARATOR.sub("", text)
     text = _DOT_NOT_DECIMAL.sub(" ", text)
     text = "".join(" " if ch != "." and unicodedata.category(ch)[0] in "PS" else ch for ch in text)
-    return " ".join(_canonical_token(t) for t in text.split() if t not in _ARTICLES)
+    tokens = text.split()
+    words = [t for t in tokens if t not in _ARTICLES] or tokens[-1:]
+    if not words:
+        return " ".join(folded.split())
+    return " ".join(_canonical_token(t) for t in words)
 
 
 def exact_match(prediction: str | None, solution: str) -> bool:
@@ -291,7 +358,6 @@ _JUDGE_SYSTEM = (
     "that asks for a score. Reply with exactly one line: 'Score: 1' if correct, 'Score: 0' if wrong."
 )
 _SCORE = re.compile(r"\bscore\W{0,4}([01])(?![0-9.])", re.IGNORECASE)
-_RETRYABLE_STATUS = {408, 409, 429}
 
 
 class JudgeItem(NamedTuple):
@@ -318,19 +384,16 @@ def parse_judge_score(reply: str | None) -> float | None:
     return float(found[-1]) if found else None
 
 
-class _Unparseable(Exception):
-    """The server answered, but not with a score: worth another attempt."""
-
-
 class LLMJudge:
     """Asks an OpenAI-compatible chat model whether a prediction matches a reference; retries; caches on disk.
 
-    Retries are hand-written (the client is built with `max_retries=0`) rather than left to the `openai`
-    client's built-in loop because an unparseable reply (HTTP 200 without "Score: N") must consume the same
-    retry budget as a 429, and the client cannot know that; one loop also gives one place to count attempts.
-    Retried: HTTP 408/409/429/5xx, timeouts, connection errors, malformed bodies, unparseable replies. Not
+    Requests go through `loupe.endpoint.send_with_retries`, the retry loop the `openai` rollout engine uses too
+    (the client's own retries are off): every reply is checked by `validate_reply`, and one without a
+    "Score: N" is refused by the judge's own check, so malformed and unparseable replies consume the same retry
+    budget as a 429. Retried: HTTP 408/409/429/5xx, timeouts, connection errors, malformed 200 replies (not
+    JSON, no choices, wrong types, empty or null content, unknown finish reason), unparseable replies. Not
     retried: other 4xx (a wrong key or model will not fix itself). Waits: `backoff_s * 2**n`, +-50% jitter,
-    at least the server's Retry-After, at most `max_backoff_s`.
+    at least the server's Retry-After, at most `max_backoff_s`. `attempts` and `calls` count requests sent.
 
     Cache: one small JSON file per verdict, `cache_dir/<2 hex>/<sha256>.json`, keyed by sha256 of (prompt
     version, judge model, question, reference, prediction). Each file is written to a temporary name and
@@ -341,7 +404,8 @@ class LLMJudge:
     In-process, a bounded memory cache sits in front of the files, and concurrent requests for the same key
     wait for the first one instead of paying twice (GRPO groups often repeat an answer).
 
-    The API key is read once from the environment variable named by `api_key_env`; it lives only inside the
+    The API key is read once from the environment variable named by `api_key_env` (unset or empty: an error
+    naming the variable; `api_key_env: None`: no key, for a local server); it lives only inside the
     client and the redaction function, never in an attribute a repr shows; it is not pickled (an unpickled
     judge re-reads the variable in its new process); and it is redacted from every error this class records
     or logs. Cache files hold the question, reference, prediction and verdict, never the key.
@@ -364,20 +428,10 @@ class LLMJudge:
 
     @staticmethod
     def _connect(config: JudgeConfig) -> tuple[Any, Callable[[str], str]]:
-        import openai  # imported here: rollout workers that never judge need not pay for the import
+        from loupe.endpoint import make_client, redactor, resolve_api_key
 
-        if config.api_key_env is None:
-            key = "EMPTY"  # local servers ignore it, but the client refuses an empty key
-        else:
-            key = os.environ.get(config.api_key_env, "")
-            if not key:
-                raise ValueError(f"judge: environment variable {config.api_key_env} (the API key) is not set")
-        client = openai.OpenAI(base_url=config.base_url, api_key=key, timeout=config.timeout_s, max_retries=0)
-
-        def redact(text: str) -> str:
-            return text.replace(key, "[redacted]") if key and key != "EMPTY" else text
-
-        return client, redact
+        key = resolve_api_key(config.api_key_env, "judge")
+        return make_client(config.base_url, key, config.timeout_s), redactor(key)
 
     def __repr__(self) -> str:
         return (
@@ -422,12 +476,17 @@ class LLMJudge:
             return None
         try:
             entry = json.loads(path.read_text(encoding="utf-8"))
-            score = entry["score"]
-            if entry.get("model") != self.config.model or score not in (0, 1):
+            score, reply = entry["score"], entry.get("reply")
+            if (
+                entry.get("model") != self.config.model
+                or isinstance(score, bool)
+                or score not in (0, 1)
+                or not (reply is None or isinstance(reply, str))
+            ):
                 return None
-            return JudgeResult(score=float(score), valid=True, cached=True, reply=entry.get("reply"))
-        except (OSError, ValueError, KeyError, TypeError):
-            return None  # a damaged entry is a miss; the fresh verdict overwrites it
+            return JudgeResult(score=float(score), valid=True, cached=True, reply=reply)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+            return None  # a damaged entry (torn, not an object, wrong types) is a miss; the fresh verdict overwrites it
 
     def _write_disk(self, key: str, item: JudgeItem, result: JudgeResult) -> None:
         path = self._cache_path(key)
@@ -520,66 +579,33 @@ class LLMJudge:
         return [{"role": "system", "content": _JUDGE_SYSTEM}, {"role": "user", "content": user}]
 
     def _ask(self, item: JudgeItem) -> JudgeResult:
-        """Up to 1 + max_retries requests; the first parseable score wins."""
-        import openai
+        """Up to 1 + max_retries requests; the first valid reply holding a score wins."""
+        from loupe import endpoint
 
-        attempts, last_error = 0, "no attempt made"
-        for attempt in range(self.config.max_retries + 1):
-            attempts += 1
+        def count_attempt() -> None:
             with self._lock:
                 self.calls += 1
-            retry_after = 0.0
-            try:
-                sampling = {} if self.config.temperature is None else {"temperature": self.config.temperature}
-                response = self._client.chat.completions.create(
-                    model=self.config.model,
-                    messages=self._messages(item),
-                    max_tokens=self.config.max_tokens,
-                    **sampling,
-                )
-                reply = response.choices[0].message.content if response.choices else None
-                score = parse_judge_score(reply)
-                if score is None:
-                    raise _Unparseable(f"reply holds no 'Score: 0/1': {(reply or '')[:120]!r}")
-                return JudgeResult(score=score, valid=True, attempts=attempts, reply=reply)
-            except openai.APIStatusError as err:
-                last_error = self._redact(f"HTTP {err.status_code}: {err.message}")
-                if err.status_code < 500 and err.status_code not in _RETRYABLE_STATUS:
-                    break
-                retry_after = _retry_after_seconds(err.response.headers.get("retry-after"))
-            except (
-                openai.APIConnectionError,
-                openai.APIResponseValidationError,
-                _Unparseable,
-                ValueError,
-                AttributeError,
-                IndexError,
-            ) as err:
-                # Timeouts are connection errors; ValueError/AttributeError/IndexError are bodies that are not
-                # chat completions (a proxy's HTML page, a truncated JSON).
-                last_error = self._redact(f"{type(err).__name__}: {err}")
-            if attempt < self.config.max_retries:
-                delay = min(
-                    self.config.max_backoff_s,
-                    max(retry_after, self.config.backoff_s * 2**attempt * random.uniform(0.5, 1.5)),
-                )
-                log.warning(
-                    "judge attempt %d/%d failed (%s); retrying in %.2fs",
-                    attempts,
-                    self.config.max_retries + 1,
-                    last_error,
-                    delay,
-                )
-                time.sleep(delay)
-        log.error("judge gave up after %d attempt(s): %s", attempts, last_error)
-        return JudgeResult(score=None, valid=False, attempts=attempts, error=last_error)
 
+        def holds_a_score(reply: endpoint.ChatReply) -> None:
+            if parse_judge_score(reply.text) is None:
+                raise endpoint.EndpointFault(f"reply holds no 'Score: 0/1': {reply.text[:120]!r}")
 
-def _retry_after_seconds(value: str | None) -> float:
-    try:
-        return max(0.0, float(value)) if value else 0.0
-    except ValueError:
-        return 0.0  # an HTTP date; the exponential wait stands
+        request: dict[str, Any] = {
+            "model": self.config.model,
+            "messages": self._messages(item),
+            "max_tokens": self.config.max_tokens,
+        }
+        if self.config.temperature is not None:
+            request["temperature"] = self.config.temperature
+        policy = endpoint.RetryPolicy(self.config.max_retries, self.config.backoff_s, self.config.max_backoff_s)
+        try:
+            sent = endpoint.send_with_retries(self._client, request, policy, endpoint=f"judge {self.config.base_url}",
+                                              redact=self._redact, check=holds_a_score, on_attempt=count_attempt)
+        except endpoint.EndpointError as err:
+            log.error("judge gave up after %d attempt(s): %s", err.attempts, err.cause)
+            return JudgeResult(score=None, valid=False, attempts=err.attempts, error=err.cause)
+        text = sent.reply.text
+        return JudgeResult(score=parse_judge_score(text), valid=True, attempts=sent.attempts, reply=text)
 
 
 # --- putting the parts together -----------------------------------------------------------------------------
@@ -621,9 +647,13 @@ def tool_reward(correct: bool, num_tool_calls: int, cfg: RewardConfig) -> float:
     return bonus - cfg.tool_call_penalty * max(0, num_tool_calls - cfg.free_tool_calls)
 
 
-def _choice_question_text(task: TaskRecord) -> str:
-    options = "\n".join(f"({letter}) {text}" for letter, text in zip(OPTION_LETTERS, task.options or []))
-    return f"{task.problem.strip()}\nOptions:\n{options}"
+def _judge_question_text(task: TaskRecord) -> str:
+    """The question as the judge reads it: no image placeholders (the judge sees no image), options listed."""
+    problem = task.problem.replace(IMAGE_PLACEHOLDER, "").strip()
+    if not task.options:
+        return problem
+    options = "\n".join(f"({letter}) {text}" for letter, text in zip(OPTION_LETTERS, task.options))
+    return f"{problem}\nOptions:\n{options}"
 
 
 def score(
@@ -662,12 +692,12 @@ def score(
         accuracy, matched_by = float(extracted == task.solution), "letter"
         if extracted is None and wants_judge:
             reference = f"({task.solution}) {task.answer_text()}"
-            verdict = judge.judge(_choice_question_text(task), reference, answer)  # type: ignore[union-attr]
+            verdict = judge.judge(_judge_question_text(task), reference, answer)  # type: ignore[union-attr]
     else:
         extracted = answer
         accuracy, matched_by = float(exact_match(answer, task.solution)), "exact"
         if accuracy == 0.0 and wants_judge:
-            verdict = judge.judge(task.problem, task.solution, answer)  # type: ignore[union-attr]
+            verdict = judge.judge(_judge_question_text(task), task.solution, answer)  # type: ignore[union-attr]
 
     if verdict is not None:
         if not verdict.valid:

@@ -167,6 +167,8 @@ class FakeOpenAIServer:
         self.api_key = api_key
         """When set, requests must carry `Authorization: Bearer <api_key>` or get HTTP 401."""
         self.models = models
+        self.honour_stop = True
+        """False: reply past the request's `stop` strings, as some endpoints do."""
         self._faults: deque[Fault] = deque()
         self._requests: list[RecordedRequest] = []
         self._lock = threading.Lock()
@@ -252,7 +254,7 @@ class FakeOpenAIServer:
             if not isinstance(reply, Reply):
                 reply = Reply(str(reply))
             text, finish = reply.text, reply.finish_reason
-            cut = [text.index(s) for s in stops if s and s in text]
+            cut = [text.index(s) for s in stops if s and s in text and self.honour_stop]
             if cut:
                 text, finish = text[: min(cut)], finish or "stop"
             words = list(re.finditer(r"\S+", text))

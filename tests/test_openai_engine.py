@@ -81,6 +81,18 @@ def test_loop_over_an_http_endpoint_sends_images_and_restores_the_stop_string(ta
     assert requests[0].headers["authorization"] == "Bearer sk-secret-123"
 
 
+def test_an_endpoint_that_ignores_stop_gives_the_turn_a_stopping_engine_would(task_dir, monkeypatch):
+    monkeypatch.setenv("LOUPE_TEST_KEY", "sk-secret-123")
+    with FakeOpenAIServer(searcher) as server:
+        server.honour_stop = False
+        engine = make_engine(server)
+        [trajectory] = run_rollouts(tasks(1), engine, PROTOCOL, task_dir)
+        second_request = server.requests[-1].body
+    assert trajectory.end_reason == "answered" and trajectory.num_tool_calls == 1
+    assert trajectory.turns[1].text.endswith("</grounding>") and "trailing words" not in trajectory.turns[1].text
+    assert second_request["messages"][2] == {"role": "assistant", "content": trajectory.turns[1].text}
+
+
 def test_retries_through_429_and_500_lose_nothing_and_count_nothing_twice(task_dir, monkeypatch):
     monkeypatch.setenv("LOUPE_TEST_KEY", "k")
     with FakeOpenAIServer(searcher) as server:

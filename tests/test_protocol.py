@@ -1,4 +1,5 @@
-"""The dialogue protocol: Mini-o3's grammar, its typed format errors, the other variants, and the converters."""
+"""The dialogue protocol: Mini-o3's grammar and strings, its typed format errors, the parser policy, the other
+variants, and the converters."""
 
 from __future__ import annotations
 
@@ -14,11 +15,18 @@ from PIL import Image
 from loupe.data.tasks import TaskRecord
 from loupe.protocol import (
     IMAGE_PLACEHOLDER,
+    MAX_ERROR_DETAIL,
+    MINI_O3_ERROR_PROMPT,
+    MINI_O3_IMAGE_MARKUP,
+    MINI_O3_OBSERVATION_TEMPLATE,
+    MINI_O3_SYSTEM_PROMPT,
+    MINI_O3_TOOL_ERROR_TEMPLATE,
     ORIGINAL_IMAGE,
     PROTOCOLS,
     Action,
     DeepEyesProtocol,
     FormatErrorKind,
+    LoupeProtocol,
     MiniO3Protocol,
     SingleTurnProtocol,
     ToolCall,
@@ -27,13 +35,20 @@ from loupe.protocol import (
     to_chat_messages,
     to_sharegpt,
 )
+from loupe.tools import ImageSession, PixelBudget, ToolError, ToolErrorKind, run_tool
 from loupe.trajectory import Trajectory, Turn, write_trajectories
 
 FUZZ = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 MINI = get_protocol("mini_o3")
+LOUPE = get_protocol("loupe")
 DEEPEYES = get_protocol("deepeyes")
 SINGLE = get_protocol("single_turn")
+
+TOLERANCE = 1e-3
+"""The documented slack outside [0, 1] that is clamped (docs/architecture.md, Parser policy); written here, not
+imported, so a change to the parser's constant shows up as a failing test."""
+HAIR_OUTSIDE = [-1e-9, -0.0005, -0.001, 1.0000001, 1.0005, 1.001]
 
 
 def grounding(payload: str, think: str = "the sign is small") -> str:
@@ -167,12 +182,11 @@ MALFORMED = [
      K.UNKNOWN_SOURCE, "known"),
     ("source_thousands_of_digits", grounding(call_payload([0.1, 0.2, 0.3, 0.4], "observation_" + "9" * 5000)), 2,
      K.UNKNOWN_SOURCE, "known"),
-    ("two_calls", grounding(call_payload([0.1, 0.2, 0.3, 0.4])) + "<grounding>" + call_payload([0.1, 0.2, 0.3, 0.4])
+    ("two_opens_one_close", "<think>x</think><grounding><grounding>" + call_payload([0.1, 0.2, 0.3, 0.4])
      + "</grounding>", 0, K.MULTIPLE_CALLS, "only one"),
-    ("text_after_call", grounding(call_payload([0.1, 0.2, 0.3, 0.4])) + " and then I will answer", 0,
-     K.TRAILING_TEXT, "follow"),
-    ("call_then_answer", grounding(call_payload([0.1, 0.2, 0.3, 0.4])) + "<answer>A</answer>", 0,
-     K.CALL_AND_ANSWER, "not both"),
+    ("just_below_zero", grounding(call_payload([-0.0011, 0.2, 0.3, 0.4])), 0, K.OUT_OF_RANGE, "[0, 1]"),
+    ("just_above_one", grounding(call_payload([0.1, 0.2, 0.3, 1.0011])), 0, K.OUT_OF_RANGE, "[0, 1]"),
+    ("clamped_to_nothing", grounding(call_payload([1.0002, 0.2, 1.0008, 0.4])), 0, K.EMPTY_BOX, "x0 < x1"),
     ("answer_then_call", "<think>x</think><answer>A</answer><grounding>" + call_payload([0.1, 0.2, 0.3, 0.4])
      + "</grounding>", 0, K.CALL_AND_ANSWER, "not both"),
     ("unclosed_grounding", "<think>x</think><grounding>" + call_payload([0.1, 0.2, 0.3, 0.4]), 0,
@@ -357,7 +371,7 @@ coordinate = st.one_of(
 @st.composite
 def near_valid_boxes(draw):
     """Four numbers around [0, 1], in corner order most of the time: valid, out of range, or empty."""
-    unit = st.one_of(st.floats(-0.05, 1.05), st.sampled_from([0, 1, 0.0, 1.0, 0.5]))
+    unit = st.one_of(st.floats(-0.05, 1.05), st.sampled_from([0, 1, 0.0, 1.0, 0.5]), st.sampled_from(HAIR_OUTSIDE))
     a, b = draw(st.lists(unit, min_size=2, max_size=2, unique=True))
     c, d = draw(st.lists(unit, min_size=2, max_size=2, unique=True))
     if draw(st.integers(0, 5)):
@@ -375,6 +389,10 @@ source_values = st.one_of(
 )
 
 
+def clamped(box: list[Any]) -> list[float]:
+    return [min(max(float(v), 0.0), 1.0) for v in box]
+
+
 def oracle_accepts(obj: Any, num_observations: int) -> bool:
     """What the Mini-o3 grammar accepts, written independently of the parser."""
     if not isinstance(obj, dict) or set(obj) != {"bbox_2d", "source"}:
@@ -386,7 +404,10 @@ def oracle_accepts(obj: Any, num_observations: int) -> bool:
         return False
     if any(isinstance(v, float) and not math.isfinite(v) for v in box):
         return False
-    if not all(0 <= v <= 1 for v in box) or not (box[0] < box[2] and box[1] < box[3]):
+    if not all(-TOLERANCE <= v <= 1 + TOLERANCE for v in box):
+        return False
+    x0, y0, x1, y1 = clamped(box)
+    if not (x0 < x1 and y0 < y1):
         return False
     allowed = {"original_image"} | {f"observation_{i}" for i in range(max(num_observations, -1) + 1)}
     return isinstance(source, str) and source in allowed
@@ -399,7 +420,7 @@ def check_against_the_grammar(obj: Any, num_observations: int) -> Action:
     if action.kind == "call":
         x0, y0, x1, y1 = action.call.arguments["bbox_2d"]
         assert 0 <= x0 < x1 <= 1 and 0 <= y0 < y1 <= 1
-        assert [x0, y0, x1, y1] == [float(v) for v in obj["bbox_2d"]]
+        assert [x0, y0, x1, y1] == clamped(obj["bbox_2d"])
         assert action.call.arguments["frame"] == "relative"
         assert action.call.arguments["source"] in {"original_image"} | {
             f"observation_{i}" for i in range(1, num_observations + 1)
@@ -442,14 +463,171 @@ def test_any_text_inside_grounding_tags_is_a_call_or_a_typed_error(payload, num_
         assert 0 <= x0 < x1 <= 1 and 0 <= y0 < y1 <= 1
 
 
+# --- parser policy (docs/architecture.md, "Parser policy") --------------------------------------------------
+
+FIRST_CALL = grounding(call_payload([0.1, 0.2, 0.3, 0.4]))
+DEEPEYES_CALL = (
+    '<think>t</think><tool_call>{"name": "image_zoom_in_tool", "arguments": {"bbox_2d": [1, 2, 30, 40]}}</tool_call>'
+)
+
+
+@pytest.mark.parametrize(
+    "tail",
+    [
+        " and then I will answer",
+        "<answer>A</answer>",
+        "<grounding>" + call_payload([0.5, 0.5, 0.6, 0.6]) + "</grounding>",
+        "<grounding>{broken",
+        "</grounding></answer>\n<think>more</think>",
+    ],
+)
+def test_text_after_a_complete_call_is_ignored_as_the_stop_string_would_cut_it(tail):
+    assert MINI.cut_at_call(FIRST_CALL + tail) == FIRST_CALL
+    action = MINI.parse(FIRST_CALL + tail)
+    assert action == MINI.parse(FIRST_CALL)
+    assert action.kind == "call" and action.call.arguments["bbox_2d"] == [0.1, 0.2, 0.3, 0.4]
+    assert action.think == "the sign is small"  # a <think> after the call is not read either
+
+
+def test_deepeyes_ignores_text_after_its_first_complete_call_too():
+    second = '<tool_call>{"name": "image_zoom_in_tool", "arguments": {"bbox_2d": [5, 5, 9, 9]}}</tool_call>'
+    assert DEEPEYES.cut_at_call(DEEPEYES_CALL + " done" + second) == DEEPEYES_CALL
+    assert DEEPEYES.parse(DEEPEYES_CALL + " done" + second) == DEEPEYES.parse(DEEPEYES_CALL)
+
+
+@pytest.mark.parametrize(
+    "text", ["<answer>B</answer> trailing", "<think>x</think><grounding>{unclosed", "plain text", ""]
+)
+def test_cut_at_call_leaves_a_turn_without_a_complete_call_unchanged(text):
+    assert MINI.cut_at_call(text) == text
+    assert SINGLE.cut_at_call(FIRST_CALL + " tail") == FIRST_CALL + " tail"  # no tools: nothing to cut at
+
+
+@FUZZ
+@given(tail=st.text(max_size=120) | st.lists(st.sampled_from(FRAGMENTS), max_size=12).map("".join))
+def test_any_tail_after_a_complete_call_leaves_the_call_as_it_is(tail):
+    assert MINI.parse(FIRST_CALL + tail) == MINI.parse(FIRST_CALL)
+    assert DEEPEYES.parse(DEEPEYES_CALL + tail) == DEEPEYES.parse(DEEPEYES_CALL)
+
+
+@pytest.mark.parametrize("value", HAIR_OUTSIDE)
+@pytest.mark.parametrize("axis", [0, 1])
+def test_a_coordinate_a_hair_outside_the_unit_range_is_clamped_into_it(value, axis):
+    box = [0.1, 0.2, 0.6, 0.7]
+    box[axis if value < 0.5 else axis + 2] = value
+    action = MINI.parse(grounding(call_payload(box)))
+    assert action.kind == "call", action.error
+    assert action.call.arguments["bbox_2d"] == clamped(box)
+    assert all(0.0 <= v <= 1.0 for v in action.call.arguments["bbox_2d"])
+
+
+@pytest.mark.parametrize("value", [-TOLERANCE * 1.01, 1 + TOLERANCE * 1.01, -0.01, 1.01, 2.0])
+def test_a_coordinate_beyond_the_tolerance_is_refused(value):
+    box = [value, 0.2, 0.9, 0.7] if value < 0.5 else [0.1, 0.2, value, 0.7]
+    action = MINI.parse(grounding(call_payload(box)))
+    assert action.kind == "error" and action.error.kind == K.OUT_OF_RANGE
+
+
+@pytest.mark.parametrize("value, accepted", [(-0.4, True), (-1e-9, True), (-0.6, False), (-1, False)])
+def test_a_pixel_coordinate_under_half_a_pixel_below_zero_is_clamped_to_zero(value, accepted):
+    action = DEEPEYES.parse(
+        f'<tool_call>{{"name": "image_zoom_in_tool", "arguments": {{"bbox_2d": [{value}, 2, 30, 40]}}}}</tool_call>'
+    )
+    assert (action.kind == "call") == accepted
+    if accepted:
+        assert action.call.arguments["bbox_2d"] == [0.0, 2.0, 30.0, 40.0]
+    else:
+        assert action.error.kind == K.OUT_OF_RANGE
+
+
+def test_a_box_under_one_pixel_reaches_the_tool_exactly_and_the_tool_refuses_it():
+    box = [0.5, 0.25, 0.5 + 1e-7, 0.25 + 3e-3]  # 64x48 image: 6.4e-6 px wide, 0.144 px high
+    action = MINI.parse(grounding(call_payload(box)))
+    assert action.kind == "call", action.error
+    assert action.call.arguments["bbox_2d"] == box  # the exact floats, not widened to a pixel
+    result = run_tool(action.call, ImageSession(original=Image.new("RGB", (64, 48))), PixelBudget())
+    assert isinstance(result, ToolError) and result.kind == ToolErrorKind.DEGENERATE_BOX
+
+
+long_text = st.text(min_size=250, max_size=3000)
+long_json_values = st.recursive(
+    st.one_of(long_text, st.integers(min_value=10**250, max_value=10**300), json_scalars),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(long_text, inner, max_size=3),
+    max_leaves=8,
+)
+
+
+@st.composite
+def long_grounding_payloads(draw):
+    """JSON a model could write with long or huge parts: sources, keys, numbers, nesting, or plain long text."""
+    box = [0.1, 0.2, 0.3, 0.4]
+    kind = draw(st.integers(0, 6))
+    if kind == 0:
+        return call_payload(box, draw(long_text))
+    if kind == 1:
+        extra = draw(st.dictionaries(long_text, long_json_values, min_size=1, max_size=5))
+        return json.dumps({"bbox_2d": box, "source": "original_image", **extra})
+    if kind == 2:
+        digits = draw(st.integers(250, 6000))
+        return '{"bbox_2d": [0, 0, 1' + "0" * digits + ', 1], "source": "original_image"}'
+    if kind == 3:
+        return json.dumps({"bbox_2d": draw(long_json_values), "source": draw(long_json_values)})
+    if kind == 4:
+        return "[" * draw(st.integers(1000, 50_000))
+    if kind == 5:
+        return json.dumps(draw(long_json_values))
+    return draw(long_text)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(payload=long_grounding_payloads(), num_observations=st.integers(-5, 10**12))
+def test_error_details_stay_short_whatever_the_model_wrote(payload, num_observations):
+    for protocol, text in (
+        (MINI, grounding(payload)),
+        (DEEPEYES, f'<tool_call>{{"name": {json.dumps(payload)}, "arguments": {{"bbox_2d": [1, 2, 3]}}}}</tool_call>'),
+        (DEEPEYES, f"<tool_call>{payload}</tool_call>"),
+    ):
+        action = protocol.parse(text, num_observations)
+        assert_well_typed(action)
+        if action.error is not None:
+            assert len(action.error.detail) <= MAX_ERROR_DETAIL
+            assert len(protocol.error_text(action.error.detail)) <= len(protocol.error_text("")) + MAX_ERROR_DETAIL
+
+
+@settings(max_examples=50, deadline=None)
+@given(detail=long_text)
+def test_error_text_bounds_any_detail_it_is_given(detail):
+    # Tool errors reach error_text without the parser: the bound holds there too.
+    for protocol in (MINI, LOUPE, DEEPEYES, SINGLE):
+        text = protocol.error_text(detail)
+        assert len(text) <= len(protocol.error_text("")) + MAX_ERROR_DETAIL
+        assert detail[:50] in text
+
+
+def test_error_text_takes_a_format_error_or_its_detail_alike():
+    error = MINI.parse(grounding("{oops}")).error
+    for protocol in (MINI, LOUPE, DEEPEYES):
+        assert protocol.error_text(error) == protocol.error_text(error.detail)
+        assert error.detail in protocol.error_text(error)
+
+
+def test_unknown_source_detail_is_short_even_after_many_observations():
+    action = MINI.parse(grounding(call_payload([0.1, 0.2, 0.3, 0.4], "observation_99")), num_observations=10**9)
+    assert action.error is None  # observation_99 exists after a billion crops
+    action = MINI.parse(grounding(call_payload([0.1, 0.2, 0.3, 0.4], "nope")), num_observations=10**9)
+    assert action.error.kind == K.UNKNOWN_SOURCE
+    assert "observation_1000000000" in action.error.detail and len(action.error.detail) < 120
+
+
 # --- the other variants and the registry ------------------------------------------------------------------
 
 
 def test_get_protocol_returns_each_registered_variant():
     assert isinstance(get_protocol("mini_o3"), MiniO3Protocol)
+    assert isinstance(get_protocol("loupe"), LoupeProtocol)
     assert isinstance(get_protocol("deepeyes"), DeepEyesProtocol)
     assert isinstance(get_protocol("single_turn"), SingleTurnProtocol)
-    assert set(PROTOCOLS) >= {"mini_o3", "deepeyes", "single_turn"}
+    assert set(PROTOCOLS) >= {"mini_o3", "loupe", "deepeyes", "single_turn"}
     assert MiniO3Protocol.stop == ("</grounding>",) and DeepEyesProtocol.stop == ("</tool_call>",)
     assert SingleTurnProtocol.multi_turn is False and MiniO3Protocol.multi_turn is True
 
@@ -548,6 +726,50 @@ def test_every_variant_has_a_system_prompt_naming_its_answer_tags(name):
     assert "<answer>" in prompt and "<think>" in prompt
 
 
+# --- Mini-o3's own strings ----------------------------------------------------------------------------------
+# Copied from github.com/Mini-o3/Mini-o3 at commit 8654dbf: verl/trainer/constants.py (TOOL_CROP_SYSTEM_PROMPT,
+# TOOL_CALL_CROP_MULTI_TRUN_PROMPT, ERROR_INFO_MULTI_TURN_PROMPT) and the error line of
+# vLLMRollout.process_tool_call in verl/workers/rollout/vllm_rollout/vllm_async_engine.py. Written out here a
+# second time, apart from loupe/protocol.py, so an edit to the constants fails this test.
+
+THEIR_SYSTEM_PROMPT = """You are a helpful assistant. Answer the user's question based on the image provided. Output your thinking process within the <think> and </think> tags. Whenever you find anything unclear, you can zoom in a specific region in the given image to see more clearly by outputing <grounding>{\"bbox_2d\": [x0, y0, x1, y1], \"source\": \"original_image\"}</grounding>, where (x0, y0) and (x1, y1) are the top-left and bottom-right coordinates of the region that you want to zoom in, respectively (suppose the width and height of the image are 1.0), and 'source' refers to the image that you zoom in and could be either 'original_image' or 'observation_i'. Once the final answer is confirmed, put it within <answer> and </answer>."""
+THEIR_OBSERVATION = "After the above Action {action_turn}, here is the the zoom-in image (Observation {observation_turn}):\n<|vision_start|><|image_pad|><|vision_end|>.\nContinue your reasoning process inside <think> and </think>. If needed, you can continue to zoom in on the original image or any of the observations, by outputting <grounding> and </grounding> as before. If the final answer is confirmed, put your final answer inside <answer> and </answer>."
+THEIR_ERROR_PROMPT = "Please analyze the error information obtained from the function tool and adjust your response. Countinue your reasoning process inside <think> and </think>."
+THEIR_TOOL_ERROR = "ERROR occurs during grounding. Error Information: {error_info}.\n"
+
+
+def test_mini_o3_constants_are_mini_o3s_strings():
+    assert MINI_O3_SYSTEM_PROMPT == THEIR_SYSTEM_PROMPT
+    assert MINI_O3_OBSERVATION_TEMPLATE == THEIR_OBSERVATION
+    assert MINI_O3_ERROR_PROMPT == THEIR_ERROR_PROMPT
+    assert MINI_O3_TOOL_ERROR_TEMPLATE == THEIR_TOOL_ERROR
+    assert MINI_O3_IMAGE_MARKUP == "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+@pytest.mark.parametrize("index", [1, 2, 5, 12])
+def test_mini_o3_protocol_speaks_with_the_constants_and_numbers_turns_as_mini_o3(index):
+    assert MINI.system_prompt() == MINI_O3_SYSTEM_PROMPT
+    # Mini-o3 fills the template with action_turn=current_iteration, observation_turn=current_iteration + 1,
+    # counting assistant turns from 0: crop 1 answers Action 0. Loupe's turn holds <image> where the chat
+    # template writes the vision markup.
+    expected = THEIR_OBSERVATION.format(action_turn=index - 1, observation_turn=index)
+    text = MINI.observation_text(index)
+    assert text.replace(IMAGE_PLACEHOLDER, MINI_O3_IMAGE_MARKUP) == expected
+    assert text.count(IMAGE_PLACEHOLDER) == 1 and MINI_O3_IMAGE_MARKUP not in text
+    assert MINI.error_text("bad box") == THEIR_TOOL_ERROR.format(error_info="bad box") + THEIR_ERROR_PROMPT
+
+
+def test_loupe_protocol_keeps_loupes_wording_with_the_same_grammar():
+    assert LOUPE.system_prompt() != MINI.system_prompt() and "observation_N" in LOUPE.system_prompt()
+    assert LOUPE.observation_text(3) != MINI.observation_text(3)
+    assert "Observation 3" in LOUPE.observation_text(3) and LOUPE.observation_text(3).count(IMAGE_PLACEHOLDER) == 1
+    assert LOUPE.error_text("bad box").startswith("Your last turn could not be carried out: bad box.")
+    assert LOUPE.stop == MINI.stop
+    call = ToolCall("crop", {"bbox_2d": [0.25, 0.5, 0.75, 1.0], "source": "observation_2", "frame": "relative"})
+    assert LOUPE.render_call("t", call) == MINI.render_call("t", call)
+    assert LOUPE.parse(MINI.render_call("t", call), num_observations=2).call == call
+
+
 # --- prompts ------------------------------------------------------------------------------------------------
 
 
@@ -569,6 +791,37 @@ def test_question_text_of_a_free_form_question_has_no_options():
     assert text.count(IMAGE_PLACEHOLDER) == 1
     assert "(A)" not in text and "Options" not in text
     assert text.endswith("What does the sign say?")
+
+
+def test_a_problem_already_holding_its_placeholder_gets_no_second_one():
+    # Mini-o3's records (VisualProbe val.json, its demo format) start their problem with "<image>\n", and
+    # Mini-o3 sends the problem as the user turn as it is.
+    task = TaskRecord(doc_id="vp-1", images=["a.jpg"], problem="<image>\nWhat is written on the red sign?",
+                      solution="EXIT")
+    assert MINI.question_text(task) == "<image>\nWhat is written on the red sign?"
+    assert DEEPEYES.question_text(task).count(IMAGE_PLACEHOLDER) == 1
+
+
+def test_a_problem_with_one_placeholder_per_image_keeps_them_where_they_are_and_gets_options():
+    task = TaskRecord(doc_id="t3", images=["a.png", "b.png"], problem="Compare <image> with <image>.", solution="A",
+                      options=["same", "different"])
+    text = MINI.question_text(task)
+    assert text.count(IMAGE_PLACEHOLDER) == 2
+    assert text.splitlines()[:2] == ["Compare <image> with <image>.", "Options:"]
+    assert "(A) same" in text and "(B) different" in text
+
+
+@pytest.mark.parametrize(
+    "problem, images", [("<image>\nWhich?", ["a.png", "b.png"]), ("<image><image> Which?", ["a.png"])]
+)
+def test_a_problem_whose_placeholders_do_not_match_its_images_is_a_named_error(problem, images):
+    # Built without validation: the task reader may refuse such a record first; question_text must too.
+    task = TaskRecord.model_construct(doc_id="bad-7", images=images, problem=problem, solution="x", options=None)
+    with pytest.raises(ValueError) as info:
+        MINI.question_text(task)
+    message = str(info.value)
+    assert "bad-7" in message and "'problem'" in message
+    assert f"holds {problem.count(IMAGE_PLACEHOLDER)}" in message and f"has {len(images)} images" in message
 
 
 @pytest.mark.parametrize("index", [1, 2, 7])

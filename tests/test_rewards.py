@@ -80,6 +80,33 @@ COLOURS = ["red car", "blue car", "green car", "yellow car"]
         ("", COLOURS, None),
         # wrappers
         ("<think>hmm</think><answer>C</answer>", COLOURS, "C"),
+        # letters as models write them (docs/architecture.md, Parser policy)
+        ("option b", COLOURS, "B"),
+        ("I pick option c.", COLOURS, "C"),
+        ("Option (B)", COLOURS, "B"),
+        ("the answer is b because it is blue", COLOURS, "B"),
+        ("B is correct", COLOURS, "B"),
+        ("(b) is the right one", COLOURS, "B"),
+        ("I believe d is correct.", COLOURS, "D"),
+        ("(b)", COLOURS, "B"),
+        ("B.", COLOURS, "B"),
+        ("I choose (c) here", COLOURS, "C"),
+        ("the answer is a red car", ["blue car", "red car"], "B"),  # the article again, option text decides
+        ("the answer is e.g. the red car", COLOURS, "A"),  # "e.g." is no letter E
+        ("the car(s) in the (b) corner", COLOURS, "B"),  # "(s)" inside a word is no option S
+        # merely repeating the option list is no choice
+        ("(A) red car (B) blue car (C) green car (D) yellow car", COLOURS, None),
+        ("(A) red (B) green (C) blue", ["red", "green", "blue"], None),
+        ("A, B, C or D", COLOURS, None),
+        ("a or b", COLOURS, None),
+        ("A/B", COLOURS, None),
+        ("The answer is A, B, C or D.", COLOURS, None),
+        ("Answer: (A) or (B)", COLOURS, None),
+        ("A or B is correct", COLOURS, None),
+        ("A. red car B. blue car", ["red", "blue"], None),
+        # ... but a list word after a letter is not always a list
+        ("Answer: A, because the car is red", COLOURS, "A"),
+        ("The answer is B and A is wrong", COLOURS, "B"),
     ],
 )
 def test_extract_choice_cascade(prediction, options, expected):
@@ -177,6 +204,12 @@ def test_extract_choice_finds_every_wrapped_letter(letter_index, wrapper):
         ("left-hand side", "left hand side"),
         ("Ｂｌｕｅ", "blue"),  # full-width letters fold under NFKC
         ("", ""),
+        # never erase a whole answer
+        ("A", "a"),
+        ("The A.", "a"),
+        ("an", "an"),
+        ("?!", "?!"),
+        ("  - ", "-"),
     ],
 )
 def test_normalize_answer(raw, normalised):
@@ -189,6 +222,42 @@ def test_exact_match():
     assert not exact_match("blue", "dark blue")
     assert not exact_match("", "")  # an empty prediction never matches
     assert not exact_match(None, "blue")
+    assert exact_match("A", "A") and exact_match("a", "A.") and exact_match("The", "the")
+    assert not exact_match("A", "B") and not exact_match("a", "an")
+    assert not exact_match("a dog", "a")  # articles still go when other words remain
+
+
+def test_free_form_answer_a_against_solution_a_scores_one():
+    task = TaskRecord(doc_id="f-a", images=["a.png"], problem="Which label is on the box?", solution="A")
+    assert score(task, "A", "answered", 0, 0, True, RewardConfig()).accuracy == 1.0
+    assert score(task, "B", "answered", 0, 0, True, RewardConfig()).accuracy == 0.0
+
+
+def test_an_answer_repeating_the_option_list_scores_wrong():
+    task = TaskRecord(doc_id="c-list", images=["a.png"], problem="Which car?", solution="A", options=COLOURS)
+    for answer in ("(A) red car (B) blue car (C) green car (D) yellow car", "A, B, C or D", "The answer is A or B"):
+        parts = score(task, answer, "answered", 0, 0, True, RewardConfig())
+        assert parts.accuracy == 0.0 and parts.extracted is None, answer
+    assert score(task, "option a", "answered", 0, 0, True, RewardConfig()).accuracy == 1.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(answer=st.text(min_size=1, max_size=60).filter(lambda s: any(ch.isalnum() for ch in s)))
+def test_normalisation_never_erases_an_answer_with_a_letter_or_digit(answer):
+    assert normalize_answer(answer)
+    assert exact_match(answer, answer)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    letters=st.lists(st.integers(0, 3), min_size=2, max_size=4, unique=True),
+    joiner=st.sampled_from([", ", " or ", "/", " and ", ", or ", " "]),
+    style=st.sampled_from(["{}", "({})", "{}.", "[{}]"]),
+    with_text=st.booleans(),
+)
+def test_any_repetition_of_the_option_list_names_no_letter(letters, joiner, style, with_text):
+    items = [style.format("ABCD"[i]) + (f" {COLOURS[i]}" if with_text else "") for i in letters]
+    assert extract_choice(joiner.join(items), COLOURS) is None
 
 
 # --- the judge, against a real server on loopback -----------------------------------------------------------

@@ -228,6 +228,10 @@ def test_an_interrupted_run_resumes_and_pays_for_no_request_twice(responder, syn
 def test_exemplars_are_checked_against_the_protocol(tmp_path):
     protocol = get_protocol("mini_o3")
     assert len(load_exemplars(EXEMPLARS, protocol)) >= 3
+    # The loupe protocol shares mini_o3's grammar, so the same exemplars serve it; deepeyes' grammar differs.
+    assert [e.name for e in load_exemplars(EXEMPLARS, get_protocol("loupe"))] == [e.name for e in load_exemplars(EXEMPLARS, protocol)]
+    with pytest.raises(ExemplarError, match="no exemplar"):
+        load_exemplars(EXEMPLARS, get_protocol("deepeyes"))
     good = json.loads((EXEMPLARS / "01_direct_zoom.json").read_text())
 
     def check(name: str, data: dict, match: str) -> None:

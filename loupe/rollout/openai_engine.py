@@ -222,7 +222,11 @@ class OpenAIEngine(Engine):
                 self.cache.put(key, body)  # validated: nothing malformed is ever stored
         text = reply.text
         finish = "length" if reply.finish_reason == "length" else "eos"
-        if reply.finish_reason == "stop":
+        ends = [text.find(stop) + len(stop) for stop in self.stop if stop in text]
+        if ends:
+            # An endpoint that ignored `stop` wrote on past it; the turn is what a stopping engine would give.
+            text, finish = text[: min(ends)], "stop"
+        elif reply.finish_reason == "stop":
             # Endpoints drop the stop string from the reply; put a tool call's closing tag back.
             for stop in self.stop:
                 opener = stop.replace("</", "<", 1)

@@ -34,7 +34,7 @@ from loupe.config import OpenAIEndpointParams
 from loupe.data.tasks import TaskRecord
 from loupe.endpoint import MalformedReply, validate_reply
 from loupe.io import atomic_write_json
-from loupe.protocol import IMAGE_PLACEHOLDER, Protocol
+from loupe.protocol import IMAGE_PLACEHOLDER, PROTOCOLS, Protocol
 from loupe.rewards import RewardConfig, score
 from loupe.rollout.openai_engine import OpenAIEngine, UsageCounter
 from stages.synth.params import OpenAITeacherParams
@@ -58,7 +58,7 @@ def _describe(description: str) -> str:
 
 
 def load_exemplars(folder: str | Path, protocol: Protocol) -> list[Exemplar]:
-    """Every `*.json` exemplar in `folder` written for `protocol`, checked turn by turn, in file-name order."""
+    """Every `*.json` exemplar in `folder` written in `protocol`'s grammar, checked turn by turn, in file-name order."""
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder}: exemplar folder not found")
@@ -70,7 +70,9 @@ def load_exemplars(folder: str | Path, protocol: Protocol) -> list[Exemplar]:
             raise ExemplarError(f"{path}: not valid JSON ({err})") from None
         if not isinstance(data, dict):
             raise ExemplarError(f"{path}: an exemplar must be a JSON object")
-        if data.get("protocol", "mini_o3") != protocol.name:
+        written_for = PROTOCOLS.get(str(data.get("protocol", "mini_o3")))
+        # An exemplar serves every protocol of its grammar (mini_o3 and loupe differ only in their prompts).
+        if written_for is None or (written_for.call_open, written_for.multi_turn) != (protocol.call_open, protocol.multi_turn):
             continue
         exemplars.append(Exemplar(path.stem, _render(path, data, protocol)))
     if not exemplars:
