@@ -2,15 +2,30 @@
 
 from __future__ import annotations
 
+import ast
 import base64
 import csv
 import io
 import json
+import os
+import string
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image
+from published_benchmarks import (
+    HRBENCH_COLUMNS,
+    MME_COLUMNS,
+    build_hrbench,
+    build_mme_realworld_lite,
+    build_synthetic,
+    build_visualprobe,
+    build_vstar,
+)
 
 from loupe.data import benchmarks
 from loupe.data.benchmarks import (
@@ -21,6 +36,7 @@ from loupe.data.benchmarks import (
     load_benchmark,
 )
 from loupe.data.tasks import TaskRecord, write_tasks
+from loupe.protocol import IMAGE_PLACEHOLDER
 
 TABLE_COLUMNS = ["index", "question", "A", "B", "C", "D", "answer", "category", "cycle_category", "image"]
 
@@ -333,47 +349,371 @@ def test_parquet_without_pyarrow_says_what_to_install(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# VisualProbe
+# VisualProbe (Mini-o3's val.json: image paths relative to the folder above the data set's folder)
 
 
-def visualprobe_records() -> list[dict]:
-    return [
-        {"doc_id": 0, "images": ["images/0.jpg"], "problem": "What is the number on the bus?", "solution": 42,
-         "data_source": "visual_probe_hard"},
-        {"doc_id": 1, "images": "images/1.jpg", "problem": "What brand is the cup?", "solution": "Starbucks",
-         "data_source": "visual_probe_hard"},
-    ]
+def test_visualprobe_reads_mini_o3_val_json(tmp_path):
+    copy = build_visualprobe(tmp_path, "hard")
+    for path in (copy.path, copy.path / "val.json"):
+        bench = load_benchmark("visualprobe_hard", path, tmp_path / "cache")
+        assert bench.image_root == tmp_path  # Mini-o3's BASE_IMAGE_DIR: the folder above VisualProbe_Hard
+        first = bench.tasks[0]
+        assert first.doc_id == "visualprobe_hard-hard_0000" and first.images == ["VisualProbe_Hard/data/hard_0000.jpg"]
+        assert first.problem == "What is the number on the bus in the distance?"  # "<image>\n" removed
+        assert first.solution == "42" and not first.is_choice and first.data_source == "visualprobe_hard"
+        assert bench.tasks[1].solution == "Starbucks."
 
 
-def write_visualprobe_images(folder: Path) -> None:
-    (folder / "images").mkdir()
-    for i in range(2):
-        (folder / "images" / f"{i}.jpg").write_bytes(image_bytes("white", kind="JPEG"))
-
-
-@pytest.mark.parametrize("file_name", ["val.json", "val.jsonl"])
-def test_visualprobe_reads_free_form_records(tmp_path, file_name):
-    write_visualprobe_images(tmp_path)
-    records = visualprobe_records()
-    text = json.dumps(records) if file_name == "val.json" else "".join(json.dumps(r) + "\n" for r in records)
-    (tmp_path / file_name).write_text(text)
-    bench = load_benchmark("visualprobe_hard", tmp_path, tmp_path / "cache")
-    first, second = bench.tasks
-    assert [first.doc_id, second.doc_id] == ["visualprobe_hard-0", "visualprobe_hard-1"]
-    assert first.solution == "42" and not first.is_choice and second.images == ["images/1.jpg"]
-    assert {t.data_source for t in bench.tasks} == {"visualprobe_hard"}
-    assert all(bench.image_paths(t)[0].is_file() for t in bench.tasks)
+def visualprobe_records(copy) -> list[dict]:
+    return json.loads((copy.path / "val.json").read_text())
 
 
 @pytest.mark.parametrize(
     "change, field",
-    [({"problem": ""}, "problem"), ({"doc_id": None}, "doc_id"), ({"doc_id": 0}, "doc_id"),
-     ({"images": ["images/7.jpg"]}, "images.0")],
+    [({"problem": ""}, "problem"), ({"problem": "<image>\n"}, "problem"), ({"doc_id": None}, "doc_id"),
+     ({"doc_id": "hard_0000"}, "doc_id"), ({"doc_id": 1.5}, "doc_id"), ({"solution": 4.5}, "solution"),
+     ({"images": ["VisualProbe_Hard/data/gone.jpg"]}, "images.0"), ({"images": ["/etc/hostname"]}, "images.0"),
+     ({"images": ["../outside.jpg"]}, "images.0"), ({"data_source": "visual_probe_easy"}, "data_source")],
 )
 def test_visualprobe_bad_record_is_named(tmp_path, change, field):
-    write_visualprobe_images(tmp_path)
-    records = visualprobe_records()
+    copy = build_visualprobe(tmp_path, "hard")
+    (tmp_path.parent / "outside.jpg").write_bytes(b"not even an image")
+    records = visualprobe_records(copy)
     records[1].update(change)
-    (tmp_path / "val.json").write_text(json.dumps(records))
+    (copy.path / "val.json").write_text(json.dumps(records))
     with pytest.raises(BenchmarkFormatError, match=rf"val\.json: record 2: field '{field}'"):
-        load_benchmark("visualprobe_easy", tmp_path, tmp_path / "cache")
+        load_benchmark("visualprobe_hard", copy.path, tmp_path / "cache")
+
+
+def test_visualprobe_image_relative_to_its_own_folder_says_where_mini_o3_looks(tmp_path):
+    copy = build_visualprobe(tmp_path, "easy")
+    records = visualprobe_records(copy)
+    records[0]["images"] = ["data/easy_0000.jpg"]  # resolves inside the folder, not against the one above
+    (copy.path / "val.json").write_text(json.dumps(records))
+    with pytest.raises(BenchmarkFormatError, match=r"record 1: field 'images\.0': .* folder above the data set's folder"):
+        load_benchmark("visualprobe_easy", copy.path, tmp_path / "cache")
+
+
+def test_visualprobe_val_json_must_be_a_list(tmp_path):
+    copy = build_visualprobe(tmp_path, "medium")
+    records = visualprobe_records(copy)
+    (copy.path / "val.json").write_text("".join(json.dumps(r) + "\n" for r in records))  # JSONL is not what it reads
+    with pytest.raises(BenchmarkFormatError, match=r"val\.json: not valid JSON"):
+        load_benchmark("visualprobe_medium", copy.path, tmp_path / "cache")
+    (copy.path / "val.json").write_text(json.dumps({"records": records}))
+    with pytest.raises(BenchmarkFormatError, match=r"val\.json: expected a JSON list"):
+        load_benchmark("visualprobe_medium", copy.path, tmp_path / "cache")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The published layouts: each fixture is what its publisher's loader reads, and Loupe reads it the same way
+
+
+def test_vstar_fixture_is_what_the_v_star_eval_script_reads(tmp_path):
+    copy = build_vstar(tmp_path)
+    # vstar_bench_eval.py (eval_model): per category folder, every non-.json file is an image and the file of the
+    # same stem with .json its annotation, whose first option is the right one.
+    right = {}
+    for test_type in ["direct_attributes", "relative_position"]:
+        folder = os.path.join(copy.path, test_type)
+        for image_file in [f for f in os.listdir(folder) if ".json" not in f]:
+            image_path = os.path.join(folder, image_file)
+            with open(os.path.splitext(image_path)[0] + ".json") as f:  # V* splits off the suffix by hand
+                annotation = json.load(f)
+            Image.open(image_path).convert("RGB")
+            right[annotation["question"]] = annotation["options"][0]
+    assert right == {q.problem: q.answer for q in copy.questions}
+    # test_questions.jsonl as letter-based evaluators read it: image joined to the benchmark folder, label a letter.
+    for line in (copy.path / "test_questions.jsonl").read_text().splitlines():
+        example = json.loads(line)
+        assert os.path.exists(os.path.join(copy.path, example["image"]))
+        option = next(row for row in example["text"].splitlines() if row.startswith(f"({example['label']}) "))
+        assert option[4:] == right[example["text"].splitlines()[0]]
+
+
+@pytest.mark.parametrize("with_question_file", [True, False])
+def test_vstar_reads_both_published_layouts(tmp_path, with_question_file):
+    copy = build_vstar(tmp_path, with_question_file)
+    check_loaded(copy, load_benchmark("vstar", copy.path, tmp_path / "cache"))
+
+
+def test_vstar_option_order_of_the_per_question_files_is_fixed_and_spread(tmp_path):
+    copy = build_vstar(tmp_path, with_question_file=False)
+    first = load_benchmark("vstar", copy.path, tmp_path / "cache").tasks
+    again = load_benchmark("vstar", copy.path, tmp_path / "cache").tasks
+    assert [t.options for t in first] == [t.options for t in again]
+    assert {t.solution for t in first} != {"A"}  # the right option is not always first, as the files hold it
+
+
+def test_hrbench_fixture_is_what_vlmevalkit_reads(tmp_path):
+    pd = pytest.importorskip("pandas")
+    for resolution, file_format in (("4k", "tsv"), ("8k", "parquet")):
+        copy = build_hrbench(tmp_path, resolution, file_format)
+        file = copy.path / f"hr_bench_{resolution}.{file_format}"
+        # VLMEvalKit's load() reads TSVs with pandas; HRBench's build_prompt takes A-Z columns that are not NaN.
+        data = pd.read_csv(file, sep="\t") if file_format == "tsv" else pd.read_parquet(file)
+        assert list(data.columns) == HRBENCH_COLUMNS
+        for (_, line), question in zip(data.iterrows(), copy.questions, strict=True):
+            options = {c: line[c] for c in string.ascii_uppercase if c in line and not pd.isna(line[c])}
+            assert line["question"] == question.problem and options[line["answer"]] == question.answer
+            with Image.open(io.BytesIO(base64.b64decode(line["image"]))) as image:
+                assert close(image.convert("RGB").getpixel((5, 5)), question.colour)
+
+
+@pytest.mark.parametrize("resolution, file_format", [("4k", "tsv"), ("4k", "parquet"), ("8k", "tsv"), ("8k", "parquet")])
+def test_hrbench_reads_the_published_files(tmp_path, resolution, file_format):
+    copy = build_hrbench(tmp_path, resolution, file_format)
+    check_loaded(copy, load_benchmark(copy.benchmark, copy.path, tmp_path / "cache"))
+
+
+def test_hrbench_never_reads_the_other_resolution(tmp_path):
+    copy = build_hrbench(tmp_path, "4k", "tsv")
+    with pytest.raises(BenchmarkNotFoundError, match="hr_bench_8k"):
+        load_benchmark("hrbench8k", copy.path, tmp_path / "cache")
+
+
+def test_mme_realworld_lite_fixture_is_what_vlmevalkit_reads(tmp_path):
+    pd = pytest.importorskip("pandas")
+    copy = build_mme_realworld_lite(tmp_path)
+    # VLMEvalKit's MMERealWorld.load_data: pandas reads the TSV; each options cell is a Python-literal list whose
+    # entries lose their "(X) " prefix (VLMEvalKit uses eval; literal_eval reads the same literals).
+    data = pd.read_csv(copy.path / "mme_realworld_lite.tsv", sep="\t")
+    assert list(data.columns) == MME_COLUMNS
+    for (_, item), question in zip(data.iterrows(), copy.questions, strict=True):
+        options = ast.literal_eval(item["multi-choice options"])
+        assert [o[4:] for o in options] == list(question.options)
+        assert options["ABCDE".index(item["answer"])][4:] == question.answer
+    assert "\"(C) the driver's side is blue\"" in (copy.path / "mme_realworld_lite.tsv").read_text()
+
+
+@pytest.mark.parametrize("file_name", ["mme_realworld_lite.tsv", "MME-RealWorld-Lite.tsv"])
+def test_mme_realworld_lite_reads_the_published_file(tmp_path, file_name):
+    copy = build_mme_realworld_lite(tmp_path, file_name)
+    bench = load_benchmark("MME-RealWorld-Lite", copy.path, tmp_path / "cache")
+    check_loaded(copy, bench)
+    assert bench.tasks[1].options[2] == "the driver's side is blue"
+    assert bench.tasks[0].model_dump()["l2_category"] == "object_counting"
+
+
+@pytest.mark.parametrize(
+    "cell, message",
+    [("['(A) red', '(B) blue'", "not a Python list literal"), ("[__import__('os').getcwd()]", "not a Python list"),
+     ("['(A) red', '(C) blue']", r"\(B\) <text> was due"), ("['(A) red', 'blue']", "every entry"),
+     ("{'A': 'red'}", r"no '\(A\) \.\.\.' option lines"), ("[" * 5000 + "]" * 5000, "not a Python list")],
+)
+def test_mme_realworld_lite_bad_options_cell_is_named(tmp_path, cell, message):
+    pd = pytest.importorskip("pandas")
+    copy = build_mme_realworld_lite(tmp_path)
+    file = copy.path / "mme_realworld_lite.tsv"
+    data = pd.read_csv(file, sep="\t")
+    data.loc[1, "multi-choice options"] = cell
+    data.to_csv(file, sep="\t", index=False)
+    with pytest.raises(BenchmarkFormatError, match=rf"row 2 .*field 'multi-choice options': .*{message}"):
+        load_benchmark("mme_realworld_lite", copy.path, tmp_path / "cache")
+
+
+def test_visualprobe_fixture_is_what_mini_o3_reads(tmp_path):
+    pd = pytest.importorskip("pandas")
+    for difficulty in ("easy", "medium", "hard"):
+        copy = build_visualprobe(tmp_path, difficulty)
+        assert copy.path.name == f"VisualProbe_{difficulty.capitalize()}"
+        # MultiModalDataset._read_files_and_tokenize: json.load, a DataFrame; make_conversation_multimodal joins
+        # each image path to BASE_IMAGE_DIR (here tmp_path) and sends `problem` as the user turn.
+        with open(copy.path / "val.json") as f:
+            json_data = json.load(f)
+        frame = pd.DataFrame(json_data)
+        assert list(frame.columns) == ["images", "doc_id", "problem", "solution", "data_source"]
+        for row, question in zip(json_data, copy.questions, strict=True):
+            assert all(os.path.exists(os.path.join(str(tmp_path), image)) for image in row["images"])
+            assert row["problem"] == "<image>\n" + question.problem and row["solution"] == question.answer
+            assert row["data_source"] == f"visual_probe_{difficulty}" and isinstance(row["doc_id"], str)
+        check_loaded(copy, load_benchmark(copy.benchmark, copy.path, tmp_path / "cache"))
+
+
+def test_synthetic_fixture_loads(tmp_path):
+    copy = build_synthetic(tmp_path)
+    check_loaded(copy, load_benchmark("synthetic", copy.path, tmp_path / "cache"))
+
+
+def check_loaded(copy, bench) -> None:
+    """Every fixture question came through with its text, options, right answer, category and image."""
+    by_problem: dict[str, list] = {}
+    for task in bench.tasks:
+        by_problem.setdefault(task.problem, []).append(task)
+    assert len(bench.tasks) == len(copy.questions)
+    for question in copy.questions:
+        task = by_problem[question.problem].pop(0)
+        assert IMAGE_PLACEHOLDER not in task.problem and task.data_source == copy.benchmark
+        assert task.answer_text() == question.answer
+        assert (task.options is None) == (question.options is None)
+        if question.options is not None:
+            assert sorted(task.options) == sorted(question.options)
+            if question.letter is not None:
+                assert list(task.options) == list(question.options) and task.solution == question.letter
+        assert task.category == question.category
+        (path,) = bench.image_paths(task)
+        with Image.open(path) as image:
+            assert close(image.convert("RGB").getpixel((5, 5)), question.colour)
+
+
+def close(pixel, colour, tolerance: int = 8) -> bool:
+    return all(abs(a - b) <= tolerance for a, b in zip(pixel, colour, strict=True))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Image placeholders and paths one level off
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("<image>\nWhat is it?", "What is it?"), ("<image><image>\nWhat is it?", "What is it?"),
+     ("What is it?\n<image>", "What is it?"), ("Look at <image> the sign.", "Look at the sign."),
+     ("No placeholder here.", "No placeholder here.")],
+)
+def test_image_placeholders_leave_the_question(text, expected):
+    assert benchmarks._without_placeholders(text) == expected
+
+
+def test_a_placeholder_in_any_format_is_removed(tmp_path):
+    rows = hrbench_rows()
+    rows[0]["question"] = "<image>\nWhat is the colour of the sign?"
+    bench = load_benchmark("hrbench4k", write_tsv(tmp_path / "hr.tsv", TABLE_COLUMNS, rows), tmp_path / "cache")
+    assert bench.tasks[0].problem == "What is the colour of the sign?"
+    record = TaskRecord(doc_id="s-1", images=["a.png"], problem="<image>\nColour?", solution="red")
+    (tmp_path / "a.png").write_bytes(image_bytes("red"))
+    write_tasks([record], tmp_path / "test.jsonl")
+    assert load_benchmark("synthetic", tmp_path, tmp_path / "cache").tasks[0].problem == "Colour?"
+
+
+@pytest.mark.parametrize(
+    "benchmark, build, inner",
+    [
+        ("visualprobe_hard", lambda root: build_visualprobe(root, "hard"), "data"),
+        ("vstar", build_vstar, "direct_attributes"),
+        ("vstar", lambda root: build_vstar(root, with_question_file=False), "relative_position"),
+        ("hrbench4k", lambda root: build_hrbench(root, "4k", "tsv"), None),
+        ("mme_realworld_lite", build_mme_realworld_lite, None),
+        ("synthetic", build_synthetic, "images"),
+    ],
+)
+def test_a_path_one_level_off_says_which_to_give(tmp_path, benchmark, build, inner):
+    copy = build(tmp_path / "downloads")
+    with pytest.raises(BenchmarkNotFoundError) as err:
+        load_benchmark(benchmark, copy.path.parent, tmp_path / "cache")
+    assert f"{copy.path} does: give that path" in str(err.value)
+    if inner is not None:
+        with pytest.raises(BenchmarkNotFoundError) as err:
+            load_benchmark(benchmark, copy.path / inner, tmp_path / "cache")
+        assert f"give its parent {copy.path}" in str(err.value)
+
+
+def test_the_parent_of_all_three_visualprobe_copies_names_the_right_one(tmp_path):
+    for difficulty in ("easy", "medium", "hard"):
+        build_visualprobe(tmp_path, difficulty)
+    with pytest.raises(BenchmarkNotFoundError, match=r"VisualProbe_Medium does: give that path"):
+        load_benchmark("visualprobe_medium", tmp_path, tmp_path / "cache")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Hostile bytes: every failure is a named BenchmarkFormatError
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [(b'{"image": "a.jpg", "text": "\xff\xfe"}', "not UTF-8"), (b'{"question_id": NaN}', "NaN"),
+     (b'{"question_id": ' + b"9" * 5000 + b"}", "not usable JSON"), (b"[" * 100000 + b"]" * 100000, "not usable JSON|not valid JSON"),
+     (b'["a list"]', "must be a JSON object")],
+)
+def test_vstar_hostile_line_is_named(tmp_path, line, message):
+    write_vstar(tmp_path, vstar_rows())
+    with (tmp_path / "test_questions.jsonl").open("ab") as f:
+        f.write(line + b"\n")
+    with pytest.raises(BenchmarkFormatError, match=rf"test_questions\.jsonl:3: .*({message})"):
+        load_benchmark("vstar", tmp_path, tmp_path / "cache")
+
+
+def test_tsv_that_is_not_utf8_is_named(tmp_path):
+    tsv = write_tsv(tmp_path / "hr.tsv", TABLE_COLUMNS, hrbench_rows())
+    tsv.write_bytes(tsv.read_bytes() + b"2\tq\xff\tx\n")
+    # header, row 1, row 2 over two lines (its question holds a line break), then the bad line
+    with pytest.raises(BenchmarkFormatError, match=r"hr\.tsv: line 5: not UTF-8 text \(bad byte at column 4\)"):
+        load_benchmark("hrbench4k", tsv, tmp_path / "cache")
+
+
+def test_vstar_annotation_errors_are_named(tmp_path):
+    copy = build_vstar(tmp_path, with_question_file=False)
+    annotation = copy.path / "relative_position" / "sa_3077.json"
+    annotation.write_text(json.dumps({"question": "Left or right?", "options": ["left"]}))
+    with pytest.raises(BenchmarkFormatError, match=r"sa_3077\.json: field 'options'"):
+        load_benchmark("vstar", copy.path, tmp_path / "cache")
+    annotation.unlink()
+    with pytest.raises(BenchmarkFormatError, match=r"sa_3077\.jpg: no annotation sa_3077\.json"):
+        load_benchmark("vstar", copy.path, tmp_path / "cache")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Property: whatever the bytes or values, a reader loads or fails with a named benchmark error, nothing else
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=8,
+)
+IMAGE_PATHS = st.sampled_from(["VisualProbe_Hard/data/hard_0000.jpg", "data/hard_0000.jpg", "/etc/hostname",
+                               "../x.jpg", "", "VisualProbe_Hard"])
+
+
+def load_or_named_error(name: str, path: Path, cache: Path) -> None:
+    try:
+        load_benchmark(name, path, cache)
+    except (BenchmarkFormatError, BenchmarkNotFoundError) as err:
+        assert str(path.name) in str(err) or "benchmark" in str(err)
+
+
+@settings(max_examples=150, deadline=None)
+@given(records=st.lists(st.fixed_dictionaries({}, optional={
+    "images": JSON_VALUES | st.lists(IMAGE_PATHS, max_size=2), "doc_id": JSON_VALUES, "problem": JSON_VALUES,
+    "solution": JSON_VALUES, "data_source": JSON_VALUES | st.sampled_from(["visual_probe_easy", "visual_probe_hard"]),
+}), max_size=3), raw=st.binary(max_size=60))
+def test_visualprobe_reader_never_lets_a_raw_exception_out(records, raw):
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = build_visualprobe(Path(tmp), "hard")
+        for text in (json.dumps(records).encode(), raw):
+            (copy.path / "val.json").write_bytes(text)
+            load_or_named_error("visualprobe_hard", copy.path, Path(tmp) / "cache")
+
+
+@settings(max_examples=150, deadline=None)
+@given(rows=st.lists(st.fixed_dictionaries({}, optional={
+    "image": JSON_VALUES | st.just("direct_attributes/sa_4690.jpg"), "text": JSON_VALUES | st.text(
+        alphabet="(AB) x\n<image>", max_size=30), "question_id": JSON_VALUES, "label": JSON_VALUES,
+    "category": JSON_VALUES}), max_size=3), raw=st.binary(max_size=60))
+def test_vstar_reader_never_lets_a_raw_exception_out(rows, raw):
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = build_vstar(Path(tmp))
+        for text in ("".join(json.dumps(r) + "\n" for r in rows).encode(), raw):
+            (copy.path / "test_questions.jsonl").write_bytes(text)
+            load_or_named_error("vstar", copy.path, Path(tmp) / "cache")
+
+
+CELLS = st.text(alphabet="AB()[]'\"E0<>image \n\t,", max_size=24) | st.sampled_from(["", "A", "0", "nan"])
+
+
+@settings(max_examples=150, deadline=None)
+@given(rows=st.lists(st.fixed_dictionaries({c: CELLS for c in MME_COLUMNS}), max_size=3), raw=st.binary(max_size=80))
+def test_table_reader_never_lets_a_raw_exception_out(rows, raw):
+    with tempfile.TemporaryDirectory() as tmp:
+        file = Path(tmp) / "mme_realworld_lite.tsv"
+        for rows_or_bytes in (rows, raw):
+            if isinstance(rows_or_bytes, bytes):
+                file.write_bytes(rows_or_bytes)
+            else:
+                write_tsv(file, MME_COLUMNS, rows_or_bytes)
+            load_or_named_error("mme_realworld_lite", file, Path(tmp) / "cache")
+
+
+def test_a_folder_with_several_tables_lists_them(tmp_path):
+    write_tsv(tmp_path / "a.tsv", TABLE_COLUMNS, hrbench_rows())
+    write_tsv(tmp_path / "b.tsv", TABLE_COLUMNS, hrbench_rows())
+    with pytest.raises(BenchmarkNotFoundError, match=r"holds no hr_bench_4k\.parquet .*\(found a\.tsv, b\.tsv\)"):
+        load_benchmark("hrbench4k", tmp_path, tmp_path / "cache")

@@ -3,20 +3,35 @@
     benchmark = load_benchmark("vstar", "/data/vstar_bench", cache_dir="cache/benchmarks")
     image_path = benchmark.image_root / benchmark.tasks[0].images[0]
 
-Formats, as published (nothing is downloaded here):
-- `synthetic`: a folder holding `test.jsonl`, or a JSONL file, of task records (images relative to its folder).
-- `vstar` (V* Bench): a folder with `test_questions.jsonl` (`image`, `text`, `category`, `question_id`, `label`);
-  the "(A) ..." lines of `text` become the options and the instruction after them is dropped.
-- `hrbench4k`, `hrbench8k`: HR-Bench TSV or parquet (`index, question, A-D, answer, category, cycle_category,
-  image`); `mme_realworld_lite`: VLMEvalKit's TSV (`A`-`E` or `multi-choice options`, `l2-category`). Images are
-  base64, decoded into `cache_dir/<benchmark>/<index>.<ext>`; a file already holding the same bytes is left alone.
-- `visualprobe_easy`, `_medium`, `_hard`: a folder with `val.json` (JSON list or JSONL) of Mini-o3 task records.
+Each reader takes the folder (or file) exactly as its publisher ships it; nothing is downloaded here. The
+layouts, and the upstream code each was confirmed against, are in docs/benchmarks.md:
+- `synthetic`: a folder holding `test.jsonl` (Loupe's generator output), or a JSONL file of task records.
+- `vstar` (V* Bench, craigwu/vstar_bench): `test_questions.jsonl` (`image`, `text` with "(A) ..." option lines,
+  `category`, `question_id`, `label`), else the per-question layout V*'s own `vstar_bench_eval.py` reads:
+  `direct_attributes/` and `relative_position/`, each image beside a same-named `.json` whose `options[0]` is right.
+- `hrbench4k`, `hrbench8k` (DreamMr/HR-Bench): `hr_bench_4k.tsv`/`.parquet` (`index, question, A-D, answer,
+  category, cycle_category, image` base64).
+- `mme_realworld_lite` (yifanzhang114/MME-RealWorld-Base64): `mme_realworld_lite.tsv` (VLMEvalKit keeps it as
+  `MME-RealWorld-Lite.tsv`): `multi-choice options` is a Python-literal list of "(A) text" strings, `answer` A-E.
+- `visualprobe_easy`, `_medium`, `_hard` (Mini-o3/VisualProbe_*): a folder holding `val.json`, a JSON list of
+  Mini-o3 task records whose image paths are relative to the folder ABOVE it (Mini-o3's BASE_IMAGE_DIR) and whose
+  `problem` starts with "<image>\\n". Free-form answers.
+Table images are base64, decoded into `cache_dir/<benchmark>/<index>.<ext>`; a file already holding the same
+bytes is left alone.
 
-A missing path, an unknown name or a malformed row fails at once, naming the file, the row or line and the field.
+Policies:
+- The protocol puts one image placeholder per image before the question itself, so every "<image>" already in a
+  question or option text is removed (a line holding nothing else goes with it): the model never sees two.
+- A path one level off (the parent of the benchmark's folder, or a folder inside it) fails with the path to give.
+- Image paths must stay under their root as written: no absolute path, no `..`. Symlinks are followed, because
+  the Hugging Face cache stores every file as a symlink into its blob store.
+- A missing path, an unknown name or a malformed row fails at once, naming the file, the row or line and the
+  field; no reader lets a raw decoding exception out.
 """
 
 from __future__ import annotations
 
+import ast
 import base64
 import binascii
 import csv
@@ -24,14 +39,17 @@ import io
 import json
 import logging
 import math
+import random
 import re
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from loupe.data.tasks import OPTION_LETTERS, TaskRecord, TaskRecordError, parse_task, read_tasks
 from loupe.io import atomic_write_bytes
+from loupe.protocol import IMAGE_PLACEHOLDER
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +59,7 @@ class BenchmarkFormatError(ValueError):
 
 
 class BenchmarkNotFoundError(FileNotFoundError):
-    """The local copy of a benchmark is not where it was said to be."""
+    """The local copy of a benchmark is not where it was said to be; the message says where to point instead."""
 
 
 class UnknownBenchmarkError(ValueError):
@@ -80,26 +98,123 @@ def load_benchmark(name: str, path: str | Path, cache_dir: str | Path) -> Benchm
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Shared helpers
+# Finding the copy: the path given, or a clear word on which path to give instead
 
 
-def _file_in(name: str, path: Path, file_names: tuple[str, ...], suffixes: tuple[str, ...] = ()) -> Path:
-    """`path` itself when it is a file; else the first of `file_names` inside it, else its only `suffixes` file."""
+def _home(name: str, path: Path, is_home: Callable[[Path], bool], wanted: str) -> Path:
+    """`path` when it is the benchmark's folder (`is_home`); else an error naming the folder to give instead.
+
+    A user who points at the folder above the copy (or at a folder inside it, such as its images) is told which
+    path to give rather than that nothing is there.
+    """
+    if is_home(path):
+        return path
+    children = sorted(d for d in _subfolders(path) if is_home(d))
+    if children:
+        preferred = [d for d in children if _squash(d.name) == _squash(name)] or children
+        found = ", ".join(str(d) for d in preferred[:3])
+        raise BenchmarkNotFoundError(f"benchmark {name!r}: {path} holds no {wanted}, but {found} does: give that path")
+    if path.parent != path and is_home(path.parent):
+        raise BenchmarkNotFoundError(
+            f"benchmark {name!r}: {path} is a folder inside the benchmark's copy; give its parent {path.parent}"
+        )
+    raise BenchmarkNotFoundError(f"benchmark {name!r}: {path} holds no {wanted}")
+
+
+def _subfolders(path: Path) -> list[Path]:
+    try:
+        return [d for d in path.iterdir() if d.is_dir()]
+    except OSError:
+        return []
+
+
+def _squash(text: str) -> str:
+    """A folder or benchmark name without case, dashes and underscores: VisualProbe_Hard ~ visualprobe_hard."""
+    return re.sub(r"[-_\s]", "", text.lower())
+
+
+def _file_in(name: str, path: Path, file_names: tuple[str, ...], suffixes: tuple[str, ...] = (),
+             not_these: tuple[str, ...] = ()) -> Path:
+    """`path` itself when it is a file; else the first of `file_names` in the benchmark's folder, else its only
+    `suffixes` file that is not one of `not_these` (another benchmark's file, which must never stand in)."""
     if path.is_file():
         return path
-    for file_name in file_names:
-        if (path / file_name).is_file():
-            return path / file_name
-    candidates = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in suffixes)
-    if len(candidates) == 1:
-        return candidates[0]
-    wanted = " or ".join(file_names + tuple(f"one *{s} file" for s in suffixes))
-    found = f" (found {', '.join(p.name for p in candidates)})" if candidates else ""
-    raise BenchmarkNotFoundError(f"benchmark {name!r}: {path} holds no {wanted}{found}")
+
+    def found_in(folder: Path) -> Path | None:
+        for file_name in file_names:
+            if (folder / file_name).is_file():
+                return folder / file_name
+        try:
+            candidates = [p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in suffixes]
+        except OSError:
+            return None
+        candidates = [p for p in candidates if p.name not in not_these]
+        return candidates[0] if len(candidates) == 1 else None
+
+    wanted = " or ".join(file_names + tuple(f"single *{s} file" for s in suffixes))
+    if suffixes and path.is_dir():
+        present = sorted(p.name for p in path.iterdir() if p.is_file() and p.suffix.lower() in suffixes)
+        wanted += f" (found {', '.join(present)})" if present else ""
+    home = _home(name, path, lambda folder: found_in(folder) is not None, wanted)
+    return found_in(home) or home  # found_in(home) is a file: _home returned it because it is
+
+
+def _read_text(file: Path) -> str:
+    """The file as UTF-8 text (a byte-order mark is allowed); bad bytes are an error naming the line."""
+    try:
+        data = file.read_bytes()
+    except OSError as err:
+        raise BenchmarkFormatError(f"{file}: cannot be read ({err.strerror or err})") from None
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        raise BenchmarkFormatError(f"{file}:{line}: not UTF-8 text (bad byte at offset {err.start})") from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _parse_json(text: str, where: str) -> Any:
+    """json.loads, with every failure (bad syntax, NaN/Infinity, integers too long to convert, nesting too deep for
+    the parser) turned into an error naming `where`.
+
+    Hand-written because the standard parser accepts NaN and raises plain ValueError/RecursionError for the rest.
+    """
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as err:
+        raise BenchmarkFormatError(f"{where}: not valid JSON ({err.msg} at line {err.lineno} column {err.colno})") from None
+    except (ValueError, RecursionError) as err:
+        detail = "nested too deeply" if isinstance(err, RecursionError) else str(err)
+        raise BenchmarkFormatError(f"{where}: not usable JSON ({detail})") from None
+
+
+def _without_placeholders(text: str) -> str:
+    """`text` with every image placeholder removed; a line that held only placeholders is dropped."""
+    if IMAGE_PLACEHOLDER not in text:
+        return text.strip()
+    lines = []
+    for line in text.splitlines():
+        if IMAGE_PLACEHOLDER in line:
+            line = re.sub(r"[ \t]{2,}", " ", line.replace(IMAGE_PLACEHOLDER, " ")).strip()
+            if not line:
+                continue
+        lines.append(line)
+    return "\n".join(lines).strip()
 
 
 def _make_task(data: dict[str, Any], where: str, seen: dict[str, str], id_field: str = "doc_id") -> TaskRecord:
-    """Validate one record and check its id is new; `seen` maps doc ids to where they were read."""
+    """Validate one record, its question text without image placeholders, and check its id is new; `seen` maps doc
+    ids to where they were read."""
+    data = dict(data)
+    if isinstance(data.get("problem"), str):
+        data["problem"] = _without_placeholders(data["problem"])
+        if not data["problem"]:
+            raise BenchmarkFormatError(f"{where}: field 'problem': no question text besides the image placeholder")
+    if isinstance(data.get("options"), list):
+        data["options"] = [_without_placeholders(o) if isinstance(o, str) else o for o in data["options"]]
     try:
         task = parse_task(data, where)
     except TaskRecordError as err:
@@ -110,11 +225,15 @@ def _make_task(data: dict[str, Any], where: str, seen: dict[str, str], id_field:
     return task
 
 
-def _check_images(task: TaskRecord, base: Path, where: str, field: str = "images") -> None:
+def _check_images(task: TaskRecord, root: Path, where: str, field: str = "images", hint: str = "") -> None:
+    """Every image path stays under `root` as written (no absolute path, no `..`) and names a file there."""
     for i, image in enumerate(task.images):
-        if not (base / image).is_file():
-            name = field if field != "images" else f"images.{i}"
-            raise BenchmarkFormatError(f"{where}: field '{name}': {base / image} does not exist")
+        name = field if field != "images" else f"images.{i}"
+        parts = PurePosixPath(image.replace("\\", "/"))
+        if parts.is_absolute() or ".." in parts.parts:
+            raise BenchmarkFormatError(f"{where}: field '{name}': {image!r} leaves the image folder {root}")
+        if not (root / image).is_file():
+            raise BenchmarkFormatError(f"{where}: field '{name}': {root / image} does not exist{hint}")
 
 
 def _required(row: dict[str, Any], field: str, where: str) -> Any:
@@ -122,6 +241,13 @@ def _required(row: dict[str, Any], field: str, where: str) -> Any:
     if value is None or (isinstance(value, str) and not value.strip()):
         raise BenchmarkFormatError(f"{where}: field '{field}' is missing or empty")
     return value
+
+
+def _identifier(value: Any, where: str, field: str) -> str:
+    """An id given as a string or an integer (JSON files hold either), as text."""
+    if isinstance(value, bool) or not isinstance(value, (str, int)) or not str(value).strip():
+        raise BenchmarkFormatError(f"{where}: field '{field}': {value!r} is not a string or integer id")
+    return str(value).strip()
 
 
 def _letter(value: Any, letters: str, where: str, field: str) -> str:
@@ -138,7 +264,7 @@ def _text_cell(value: Any) -> str:
     return str(value).strip()
 
 
-_OPTION_LINE = re.compile(r"^\(([A-Z])\)\s*(.*)$")
+_OPTION_LINE = re.compile(r"^\(([A-Z])\)\s*(.*)$", re.DOTALL)
 
 
 def _option_lines(lines: list[str], where: str, field: str) -> tuple[int, list[str]]:
@@ -155,41 +281,42 @@ def _option_lines(lines: list[str], where: str, field: str) -> tuple[int, list[s
         if match.group(1) != due or not match.group(2).strip():
             raise BenchmarkFormatError(f"{where}: field '{field}': option line {line!r} where ({due}) <text> was due")
         options.append(match.group(2).strip())
+        if len(options) == len(OPTION_LETTERS):
+            break
     if len(options) < 2:
         raise BenchmarkFormatError(f"{where}: field '{field}': a choice question needs at least 2 options")
     return first, options
+
+
+def _literal_options(text: str, where: str, field: str) -> list[str]:
+    """Option texts from a Python-literal list of "(A) text" strings, read with `ast.literal_eval` (literals only,
+    never run as code; VLMEvalKit's MMERealWorld.load_data reads the same cell with `eval`)."""
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        raise BenchmarkFormatError(f"{where}: field '{field}': not a Python list literal of '(A) text' strings") from None
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise BenchmarkFormatError(f"{where}: field '{field}': expected a list of '(A) text' strings")
+    lines = [v.strip() for v in value]
+    if not all(_OPTION_LINE.match(line) for line in lines):
+        raise BenchmarkFormatError(f"{where}: field '{field}': every entry must be an option '(A) text'")
+    return _option_lines(lines, where, field)[1]
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # JSON readers: synthetic, V* Bench, VisualProbe
 
 
-def _json_records(file: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(where, record) for a JSON list (`file: record N`) or a JSONL file (`file:N`) of JSON objects."""
-    for where, record in _json_values(file):
+def _json_lines(file: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(where, record) for each non-blank line of a JSONL file of objects; `where` is `file:line`."""
+    for line_no, line in enumerate(_read_text(file).splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{file}:{line_no}"
+        record = _parse_json(line, where)
         if not isinstance(record, dict):
             raise BenchmarkFormatError(f"{where}: a record must be a JSON object, got {type(record).__name__}")
         yield where, record
-
-
-def _json_values(file: Path) -> Iterator[tuple[str, Any]]:
-    text = file.read_text(encoding="utf-8-sig")
-    if file.suffix.lower() == ".json" and text.lstrip().startswith("["):
-        try:
-            records = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise BenchmarkFormatError(f"{file}:{err.lineno}: not valid JSON ({err.msg})") from None
-        for n, record in enumerate(records, start=1):
-            yield f"{file}: record {n}", record
-        return
-    for line_no, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            value = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise BenchmarkFormatError(f"{file}:{line_no}: not valid JSON ({err.msg} at column {err.colno})") from None
-        yield f"{file}:{line_no}", value
 
 
 def _read_synthetic(name: str, path: Path, cache_dir: Path) -> Benchmark:
@@ -199,24 +326,50 @@ def _read_synthetic(name: str, path: Path, cache_dir: Path) -> Benchmark:
     except TaskRecordError as err:
         raise BenchmarkFormatError(str(err)) from None
     # Synthetic records carry their own doc ids; only the source is set, so reports group by benchmark name.
-    return Benchmark(name, [task.model_copy(update={"data_source": name}) for task in tasks], file.parent)
+    out = []
+    for task in tasks:
+        problem = _without_placeholders(task.problem)
+        if not problem:
+            raise BenchmarkFormatError(f"{file}: doc_id {task.doc_id!r}: field 'problem': no question text")
+        out.append(task.model_copy(update={"data_source": name, "problem": problem}))
+    return Benchmark(name, out, file.parent)
+
+
+VSTAR_CATEGORIES = ("direct_attributes", "relative_position")
+"""The folders V*'s vstar_bench_eval.py evaluates, in its order (the copy also holds GPT4V-hard/ and OCR/)."""
+
+
+def _is_vstar_home(folder: Path) -> bool:
+    return (folder / "test_questions.jsonl").is_file() or all((folder / c).is_dir() for c in VSTAR_CATEGORIES)
 
 
 def _read_vstar(name: str, path: Path, cache_dir: Path) -> Benchmark:
-    file = _file_in(name, path, ("test_questions.jsonl",))
+    if path.is_file():
+        return _read_vstar_jsonl(name, path)
+    home = _home(name, path, _is_vstar_home, f"test_questions.jsonl or {' and '.join(VSTAR_CATEGORIES)} folders")
+    if (home / "test_questions.jsonl").is_file():
+        return _read_vstar_jsonl(name, home / "test_questions.jsonl")
+    return _read_vstar_folders(name, home)
+
+
+def _read_vstar_jsonl(name: str, file: Path) -> Benchmark:
+    """`test_questions.jsonl`: the question, its "(A) ..." lines and an instruction in `text`; the letter in `label`."""
     tasks: list[TaskRecord] = []
     seen: dict[str, str] = {}
-    for where, row in _json_records(file):
+    for where, row in _json_lines(file):
         image, text = _required(row, "image", where), _required(row, "text", where)
-        question_id = _required(row, "question_id", where)
-        lines = [line.strip() for line in str(text).splitlines()]
+        question_id = _identifier(_required(row, "question_id", where), where, "question_id")
+        if not isinstance(image, str) or not isinstance(text, str):
+            field = "image" if not isinstance(image, str) else "text"
+            raise BenchmarkFormatError(f"{where}: field '{field}': expected a string")
+        lines = [line.strip() for line in text.splitlines()]
         first, options = _option_lines(lines, where, "text")
         problem = "\n".join(lines[:first]).strip()
         if not problem:
             raise BenchmarkFormatError(f"{where}: field 'text': no question before the options")
         data = {
             "doc_id": f"{name}-{question_id}",
-            "images": [str(image)],
+            "images": [image],
             "problem": problem,
             "options": options,
             "solution": _letter(row.get("label"), OPTION_LETTERS[: len(options)], where, "label"),
@@ -229,23 +382,87 @@ def _read_vstar(name: str, path: Path, cache_dir: Path) -> Benchmark:
     return Benchmark(name, tasks, file.parent)
 
 
-def _read_visualprobe(name: str, path: Path, cache_dir: Path) -> Benchmark:
-    file = _file_in(name, path, ("val.json", "val.jsonl"), suffixes=(".json", ".jsonl"))
+def _read_vstar_folders(name: str, home: Path) -> Benchmark:
+    """The per-question layout V*'s `vstar_bench_eval.py` (eval_model) reads: in each category folder, every file
+    that is not `.json` is an image and `<stem>.json` holds its `question` and `options`, the right one first.
+
+    V* scores each option's likelihood, so its order does not matter there; asked for a letter, a model would find
+    the answer always at (A). So the options are put in an order drawn from the question's id (crc32 seed): the
+    same on every run and machine, the right letter spread over A-D.
+    """
     tasks: list[TaskRecord] = []
     seen: dict[str, str] = {}
-    for where, record in _json_records(file):
+    for category in VSTAR_CATEGORIES:
+        folder = home / category
+        images = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() != ".json"
+                        and not p.name.startswith("."))
+        for image in images:
+            annotation = image.with_suffix(".json")
+            where = str(annotation)
+            if not annotation.is_file():
+                raise BenchmarkFormatError(f"{image}: no annotation {annotation.name} beside this image")
+            record = _parse_json(_read_text(annotation), where)
+            if not isinstance(record, dict):
+                raise BenchmarkFormatError(f"{where}: the annotation must be a JSON object")
+            question = _required(record, "question", where)
+            options = record.get("options")
+            if not isinstance(question, str):
+                raise BenchmarkFormatError(f"{where}: field 'question': expected a string")
+            if not isinstance(options, list) or len(options) < 2 or not all(isinstance(o, str) for o in options):
+                raise BenchmarkFormatError(f"{where}: field 'options': expected a list of at least 2 option texts")
+            question_id = f"{category}-{image.stem}"
+            order = list(range(len(options)))
+            random.Random(zlib.crc32(question_id.encode())).shuffle(order)
+            data = {
+                "doc_id": f"{name}-{question_id}",
+                "images": [f"{category}/{image.name}"],
+                "problem": question,
+                "options": [options[i] for i in order],
+                "solution": OPTION_LETTERS[order.index(0)],
+                "data_source": name,
+                "category": category,
+            }
+            tasks.append(_make_task(data, where, seen))
+    return Benchmark(name, tasks, home)
+
+
+_VISUALPROBE_SOURCES = {"visual_probe_easy", "visual_probe_medium", "visual_probe_hard"}
+
+
+def _read_visualprobe(name: str, path: Path, cache_dir: Path) -> Benchmark:
+    """Mini-o3's `val.json` (a JSON list, read with json.load in MultiModalDataset._read_files_and_tokenize); each
+    image path is joined to BASE_IMAGE_DIR, the folder above the data set's folder (make_conversation_multimodal)."""
+    file = path if path.is_file() else _home(name, path, lambda d: (d / "val.json").is_file(), "val.json") / "val.json"
+    image_root = file.parent.parent
+    records = _parse_json(_read_text(file), str(file))
+    if not isinstance(records, list):
+        raise BenchmarkFormatError(f"{file}: expected a JSON list of task records, got {type(records).__name__}")
+    difficulty = name.removeprefix("visualprobe_")
+    hint = f" (Mini-o3 joins val.json's image paths to the folder above the data set's folder, {image_root})"
+    tasks: list[TaskRecord] = []
+    seen: dict[str, str] = {}
+    for n, record in enumerate(records, start=1):
+        where = f"{file}: record {n}"
+        if not isinstance(record, dict):
+            raise BenchmarkFormatError(f"{where}: a record must be a JSON object, got {type(record).__name__}")
         data = dict(record)
-        # Mini-o3's files may hold numeric ids and answers and a bare image path; records want strings and a list.
-        data["doc_id"] = f"{name}-{_required(data, 'doc_id', where)}"
+        source = data.get("data_source")
+        # A hard copy read as easy would report a wrong number without a word; the records say which they are.
+        if isinstance(source, str) and source in _VISUALPROBE_SOURCES and source != f"visual_probe_{difficulty}":
+            raise BenchmarkFormatError(
+                f"{where}: field 'data_source': {source!r} records, but this is benchmark {name!r}: "
+                f"name the benchmark visualprobe_{source.removeprefix('visual_probe_')} or give the {difficulty} copy"
+            )
+        data["doc_id"] = f"{name}-{_identifier(_required(data, 'doc_id', where), where, 'doc_id')}"
         if isinstance(data.get("images"), str):
             data["images"] = [data["images"]]
-        if isinstance(data.get("solution"), (int, float)) and not isinstance(data["solution"], bool):
+        if isinstance(data.get("solution"), int) and not isinstance(data["solution"], bool):
             data["solution"] = str(data["solution"])
         data["data_source"] = name
         task = _make_task(data, where, seen)
-        _check_images(task, file.parent, where)
+        _check_images(task, image_root, where, hint=hint)
         tasks.append(task)
-    return Benchmark(name, tasks, file.parent)
+    return Benchmark(name, tasks, image_root)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -253,40 +470,59 @@ def _read_visualprobe(name: str, path: Path, cache_dir: Path) -> Benchmark:
 
 
 def _tsv_rows(file: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Rows of a tab-separated file with a header (what pandas' to_csv(sep="\\t") writes and read_csv reads)."""
     # One cell holds a whole base64 image, far past csv's 128 KiB default; 2**31 - 1 fits a C long everywhere.
     old_limit = csv.field_size_limit(2**31 - 1)
+    n, line = 0, 0
     try:
-        with file.open(encoding="utf-8-sig", newline="") as f:
-            reader = csv.DictReader(f, delimiter="\t")
+        with file.open("rb") as f:
+            reader = csv.DictReader(_utf8_lines(f, file), delimiter="\t")
             for n, row in enumerate(reader, start=1):
-                where = f"{file}: row {n} (line {reader.line_num})"
+                line = reader.line_num
+                where = f"{file}: row {n} (line {line})"
                 if None in row:
                     raise BenchmarkFormatError(f"{where}: more cells than the header has columns")
                 yield where, row
+    except csv.Error as err:
+        raise BenchmarkFormatError(f"{file}: row {n + 1} (after line {line}): not a readable TSV row ({err})") from None
+    except OSError as err:
+        raise BenchmarkFormatError(f"{file}: cannot be read ({err.strerror or err})") from None
     finally:
         csv.field_size_limit(old_limit)
 
 
+def _utf8_lines(f: io.BufferedReader, file: Path) -> Iterator[str]:
+    """The file's lines, line ends kept (as csv wants), decoded one by one so a bad byte is named by its line."""
+    for line_no, raw in enumerate(f, start=1):
+        try:
+            yield raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
+        except UnicodeDecodeError as err:
+            raise BenchmarkFormatError(f"{file}: line {line_no}: not UTF-8 text (bad byte at column {err.start + 1})") from None
+
+
 def _parquet_rows(file: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     try:
+        import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
         raise ImportError(f"{file}: reading parquet needs pyarrow (pip install pyarrow); or use the TSV") from None
+    n = 0
     try:
         parquet = pq.ParquetFile(file)
-    except Exception as err:  # pyarrow's own error types; the file name is what the reader needs
-        raise BenchmarkFormatError(f"{file}: not a readable parquet file ({err})") from None
-    n = 0
-    for batch in parquet.iter_batches(batch_size=32):  # batches keep a multi-GB file out of memory
-        for row in batch.to_pylist():
-            n += 1
-            yield f"{file}: row {n}", row
+        for batch in parquet.iter_batches(batch_size=32):  # batches keep a multi-GB file out of memory
+            for row in batch.to_pylist():
+                n += 1
+                yield f"{file}: row {n}", row
+    except (OSError, pa.ArrowException) as err:
+        raise BenchmarkFormatError(f"{file}: row {n + 1}: not a readable parquet file ({err})") from None
 
 
 _TABLE_FILES = {
-    "hrbench4k": ("hr_bench_4k.parquet", "hr_bench_4k.tsv"),
-    "hrbench8k": ("hr_bench_8k.parquet", "hr_bench_8k.tsv"),
-    "mme_realworld_lite": ("MME-RealWorld-Lite.tsv",),
+    # The published names, then the name VLMEvalKit's ImageBaseDataset.prepare_tsv stores the file under
+    # (`$LMUData/<dataset name>.tsv`), so a VLMEvalKit user's copy is found too.
+    "hrbench4k": ("hr_bench_4k.parquet", "hr_bench_4k.tsv", "HRBench4K.tsv"),
+    "hrbench8k": ("hr_bench_8k.parquet", "hr_bench_8k.tsv", "HRBench8K.tsv"),
+    "mme_realworld_lite": ("mme_realworld_lite.tsv", "MME-RealWorld-Lite.tsv"),
 }
 _TABLE_COLUMNS = ("index", "question", "answer", "image")
 _EXTRA_COLUMNS = {"cycle_category": "cycle_category", "l2-category": "l2_category"}
@@ -294,15 +530,18 @@ _SAFE_INDEX = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
 
 def _table_options(row: dict[str, Any], where: str) -> list[str]:
-    """Option texts from the A, B, ... columns (trailing empty cells dropped), else from `multi-choice options`."""
+    """Option texts from `multi-choice options` (a Python-literal list, or "(A) ..." lines) when the row has that
+    column, else from the A, B, ... columns (trailing empty cells dropped)."""
+    if "multi-choice options" in row:
+        text = _text_cell(row["multi-choice options"])
+        if text.startswith("["):
+            return _literal_options(text, where, "multi-choice options")
+        return _option_lines([line.strip() for line in text.splitlines()], where, "multi-choice options")[1]
     letters = ""
     for letter in OPTION_LETTERS:
         if letter not in row:
             break
         letters += letter
-    if not letters:
-        text = _text_cell(row.get("multi-choice options"))
-        return _option_lines([line.strip() for line in text.splitlines()], where, "multi-choice options")[1]
     cells = [_text_cell(row[letter]) for letter in letters]
     while cells and not cells[-1]:
         cells.pop()
@@ -317,7 +556,8 @@ def _table_options(row: dict[str, Any], where: str) -> list[str]:
 def _image_cell(value: Any, where: str) -> bytes | str:
     """The image bytes in a cell, or (a str) the index of another row whose image this row shares.
 
-    VLMEvalKit's TSVs store a repeated image once and put the owning row's index in the other rows' cells.
+    VLMEvalKit's TSVs store a repeated image once and put the owning row's index (64 characters at most) in the
+    other rows' cells (ImageBaseDataset.__init__).
     """
     if isinstance(value, dict):  # a Hugging Face Image feature in parquet: {"bytes": ..., "path": ...}
         value = value.get("bytes")
@@ -361,7 +601,8 @@ def _cache_image(data: bytes, target: Path, where: str) -> bool:
 
 
 def _read_base64_table(name: str, path: Path, cache_dir: Path) -> Benchmark:
-    file = _file_in(name, path, _TABLE_FILES.get(name, ()), suffixes=(".tsv", ".parquet"))
+    others = tuple(f for other, files in _TABLE_FILES.items() if other != name for f in files)
+    file = _file_in(name, path, _TABLE_FILES.get(name, ()), suffixes=(".tsv", ".parquet"), not_these=others)
     rows = _parquet_rows(file) if file.suffix.lower() == ".parquet" else _tsv_rows(file)
     image_root = cache_dir / name
     drafts: list[tuple[dict[str, Any], str]] = []
