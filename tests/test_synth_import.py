@@ -140,3 +140,25 @@ def test_missing_columns_and_files_are_named(tmp_path, capsys):
     assert code == 2 and "other.parquet: column(s) ['conversations', 'images'] missing" in capsys.readouterr().err
     code, _ = run_import(tmp_path, tmp_path / "absent")
     assert code == 2 and "absent: parquet file or folder not found" in capsys.readouterr().err
+
+
+def test_a_folder_with_a_train_split_imports_only_its_train_files(tmp_path):
+    from stages.synth.importer import parquet_files
+
+    folder = tmp_path / "Mini-o3-Coldstart-Dataset" / "data"
+    folder.mkdir(parents=True)
+    for name in ("train-00000-of-00002.parquet", "train-00001-of-00002.parquet", "test-00000-of-00001.parquet"):
+        write_parquet(folder / name, [row(json.dumps(good_dialogue("red")), [ORIGINAL, CROP], ["a.jpg", "b.png"], 0)])
+    assert [f.name for f in parquet_files(folder.parent)] == ["train-00000-of-00002.parquet", "train-00001-of-00002.parquet"]
+
+
+def test_a_rollout_index_that_is_not_a_number_is_named(tmp_path, capsys):
+    names = ["original_image.jpg", "observation_1.png"]
+    bad = {**row(json.dumps(good_dialogue("red")), [ORIGINAL, CROP], names, 0), "rollout_index": "first"}
+    schema = pa.schema([("conversations", pa.string()),
+                        ("images", pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())]))),
+                        ("image_names", pa.list_(pa.string())), ("data_source", pa.string()),
+                        ("sample_index", pa.int64()), ("rollout_index", pa.string())])
+    pq.write_table(pa.Table.from_pylist([bad], schema=schema), tmp_path / "rows.parquet")
+    code, _ = run_import(tmp_path, tmp_path / "rows.parquet")
+    assert code == 2 and "field 'rollout_index': 'first' is not a whole number" in capsys.readouterr().err

@@ -38,14 +38,30 @@ class ImportFormatError(ValueError):
     """A parquet file or row that is not in the cold-start format; names the file, row and field."""
 
 
+def _whole_number(value: Any, where: str, field: str) -> int:
+    """A non-negative integer cell (None or empty is 0), else an ImportFormatError naming the field."""
+    if value is None or value == "":
+        return 0
+    try:
+        number = int(str(value).strip()) if not isinstance(value, int) else value
+    except ValueError:
+        number = -1
+    if isinstance(value, bool) or number < 0:
+        raise ImportFormatError(f"{where}: field '{field}': {str(value)[:40]!r} is not a whole number")
+    return number
+
+
 def parquet_files(path: str | Path) -> list[Path]:
+    """The parquet files of the train split: a file itself, or a folder's `train-*.parquet` files when it has any
+    (Mini-o3's scripts/preprocess_coldstart.py reads `load_dataset(path, split="train")`), else all of them."""
     path = Path(path)
     if path.is_file():
         return [path]
     if path.is_dir():
         files = sorted(path.rglob("*.parquet"))
+        train = [f for f in files if f.name.startswith("train")]
         if files:
-            return files
+            return train or files
         raise FileNotFoundError(f"{path}: no *.parquet file in this folder")
     raise FileNotFoundError(f"{path}: parquet file or folder not found")
 
@@ -173,7 +189,7 @@ def row_to_trajectory(
         protocol=protocol.name,
         system=system,
         images=paths,
-        sample_index=int(row.get("rollout_index") or 0),
+        sample_index=_whole_number(row.get("rollout_index"), where, "rollout_index"),
         meta={"teacher": "import", "imported": True, "source": where,
               "sample_index": row.get("sample_index"), "rollout_index": row.get("rollout_index")},
     )
