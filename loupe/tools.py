@@ -29,13 +29,11 @@ from typing import Any, Callable
 
 from PIL import Image
 
-from loupe.images import DEFAULT_MAX_DECODE_PIXELS, ImageError, open_image  # noqa: F401 (re-exported)
+from loupe.images import DEFAULT_MAX_DECODE_PIXELS, MAX_ASPECT_RATIO, ImageError, open_image  # noqa: F401 (re-exported)
 from loupe.protocol import ORIGINAL_IMAGE, ToolCall
 
 IMAGE_FACTOR = 28
 """Qwen2.5-VL's patch (14) times its spatial merge (2): image sides are multiples of this."""
-MAX_ASPECT_RATIO = 200
-"""Qwen2.5-VL's processor refuses images more elongated than this."""
 
 
 @dataclass(frozen=True)

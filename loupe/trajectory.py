@@ -24,6 +24,7 @@ from typing import Any, Iterable
 
 from PIL import Image
 
+from loupe.images import open_image
 from loupe.io import atomic_write_bytes, atomic_write_text
 
 END_REASONS = ("answered", "over_turn", "format_error", "length")
@@ -118,11 +119,14 @@ class Trajectory:
         return path
 
     def load_image(self, index: int) -> Image.Image:
-        """Image `index` as a PIL image, from memory or from its file."""
+        """Image `index` as a PIL image, from memory or from its file.
+
+        Files are decoded by `open_image`, the rule the model was shown them by (EXIF orientation applied,
+        transparency on white), so boxes drawn on an original land where the model pointed.
+        """
         if index in self.pending:
             return self.pending[index]
-        with Image.open(self.image_path(index)) as img:
-            return img.convert("RGB")
+        return open_image(self.image_path(index))
 
     def to_json(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("pending", "trace", "base_dir")}

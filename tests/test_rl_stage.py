@@ -183,6 +183,13 @@ def test_bad_inputs_exit_2_naming_the_problem(tiny_model_dir, toy_dir, tmp_path,
                          "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "train.jsonl:1" in err and "images.0" in err
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "train.jsonl").write_bytes(b"")
+    assert rl_main.main(["--params", str(params), "--model", str(tiny_model_dir), "--tasks", str(empty),
+                         "--out", str(tmp_path / "out")]) == 2
+    assert "train.jsonl: holds no task records" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 

@@ -111,3 +111,28 @@ def test_shards_resume_and_are_discarded_when_their_inputs_change(saved, tmp_pat
     assert trajectories[0].load_image(1).size == saved[0].load_image(1).size  # crops travel with the shard
     changed = ShardStore(tmp_path / "shards", {"tasks": "xyz"})
     assert changed.done() == [] and changed.discarded == 2
+
+
+def test_an_original_a_plain_decoder_would_show_rotated_is_stored_upright(saved, tmp_path):
+    """LLaMA-Factory opens images with a plain convert("RGB"): it must get the upright pixels the crops came from."""
+    import numpy as np
+    from PIL import Image
+
+    from loupe.images import open_image
+
+    trajectory = copy.deepcopy(saved[0])
+    upright = open_image(trajectory.image_path(0))
+    stored = upright.rotate(90, expand=True)  # EXIF orientation 6: turn 270 degrees clockwise to show it upright
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    rotated_file = tmp_path / "photo.png"
+    stored.save(rotated_file, exif=exif)
+    assert np.array_equal(np.asarray(open_image(rotated_file)), np.asarray(upright))
+    trajectory.images[0] = str(rotated_file)
+    folder = tmp_path / "dataset"
+    write_llamafactory_dataset([trajectory], folder)
+    [record] = json.loads((folder / f"{DATASET_NAME}.json").read_text())
+    assert record["images"][0].endswith(".upright.png")
+    with Image.open(folder / record["images"][0]) as image:  # as LLaMA-Factory's plugin reads it
+        assert np.array_equal(np.asarray(image.convert("RGB")), np.asarray(upright))
+    assert not record["images"][1].endswith(".upright.png")  # plain crops are linked as they are

@@ -255,7 +255,6 @@ def test_a_deeper_zoom_shows_detail_the_first_observation_lost(noise):
 def test_zooms_chained_through_observations_compose_exactly(noise):
     session = ImageSession(original=noise)
     name = ORIGINAL_IMAGE
-    region = (0.0, 0.0, 1120.0, 896.0)
     for box in ([0.1, 0.2, 0.9, 0.8], [0.25, 0.25, 0.75, 0.75], [0.5, 0.0, 1.0, 0.5]):
         result = crop(session, {"bbox_2d": box, "source": name}, PixelBudget())
         # The region the observation shows is whole pixels; the next box composes with that, not the floats.

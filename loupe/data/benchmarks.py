@@ -36,7 +36,6 @@ import base64
 import binascii
 import csv
 import io
-import json
 import logging
 import math
 import random
@@ -44,10 +43,19 @@ import re
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
-from loupe.data.tasks import OPTION_LETTERS, TaskRecord, TaskRecordError, parse_task, read_tasks
+from loupe.data.tasks import (
+    OPTION_LETTERS,
+    TaskRecord,
+    TaskRecordError,
+    check_image_paths,
+    decode_utf8,
+    parse_json,
+    parse_task,
+    read_tasks,
+)
 from loupe.io import atomic_write_bytes
 from loupe.protocol import IMAGE_PLACEHOLDER
 
@@ -166,29 +174,17 @@ def _read_text(file: Path) -> str:
     except OSError as err:
         raise BenchmarkFormatError(f"{file}: cannot be read ({err.strerror or err})") from None
     try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as err:
-        line = data.count(b"\n", 0, err.start) + 1
-        raise BenchmarkFormatError(f"{file}:{line}: not UTF-8 text (bad byte at offset {err.start})") from None
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a number JSON allows")
+        return decode_utf8(data, str(file))
+    except TaskRecordError as err:
+        raise BenchmarkFormatError(str(err)) from None
 
 
 def _parse_json(text: str, where: str) -> Any:
-    """json.loads, with every failure (bad syntax, NaN/Infinity, integers too long to convert, nesting too deep for
-    the parser) turned into an error naming `where`.
-
-    Hand-written because the standard parser accepts NaN and raises plain ValueError/RecursionError for the rest.
-    """
+    """The task reader's strict JSON (`loupe.data.tasks.parse_json`), its error as a BenchmarkFormatError."""
     try:
-        return json.loads(text, parse_constant=_reject_constant)
-    except json.JSONDecodeError as err:
-        raise BenchmarkFormatError(f"{where}: not valid JSON ({err.msg} at line {err.lineno} column {err.colno})") from None
-    except (ValueError, RecursionError) as err:
-        detail = "nested too deeply" if isinstance(err, RecursionError) else str(err)
-        raise BenchmarkFormatError(f"{where}: not usable JSON ({detail})") from None
+        return parse_json(text, where)
+    except TaskRecordError as err:
+        raise BenchmarkFormatError(str(err)) from None
 
 
 def _without_placeholders(text: str) -> str:
@@ -226,14 +222,16 @@ def _make_task(data: dict[str, Any], where: str, seen: dict[str, str], id_field:
 
 
 def _check_images(task: TaskRecord, root: Path, where: str, field: str = "images", hint: str = "") -> None:
-    """Every image path stays under `root` as written (no absolute path, no `..`) and names a file there."""
-    for i, image in enumerate(task.images):
-        name = field if field != "images" else f"images.{i}"
-        parts = PurePosixPath(image.replace("\\", "/"))
-        if parts.is_absolute() or ".." in parts.parts:
-            raise BenchmarkFormatError(f"{where}: field '{name}': {image!r} leaves the image folder {root}")
-        if not (root / image).is_file():
-            raise BenchmarkFormatError(f"{where}: field '{name}': {root / image} does not exist{hint}")
+    """Every image path passes the task reader's rule under `root` (`check_image_paths`) and names a file there.
+
+    `field` renames `images.0` to the publisher's column; `hint` is added when a file is missing (a copy one
+    folder off).
+    """
+    try:
+        check_image_paths(task, root, where, must_exist=True)
+    except TaskRecordError as err:
+        message = str(err).replace("field 'images.0'", f"field '{field}'") if field != "images" else str(err)
+        raise BenchmarkFormatError(message + (hint if message.endswith("does not exist") else "")) from None
 
 
 def _required(row: dict[str, Any], field: str, where: str) -> Any:
@@ -582,7 +580,7 @@ def _image_extension(data: bytes, where: str) -> str:
             kind = image.format or ""
     except Exception as err:  # PIL raises many types for data that is not an image
         raise BenchmarkFormatError(f"{where}: field 'image': decoded bytes are not an image ({err})") from None
-    return {"JPEG": "jpg", "TIFF": "tif"}.get(kind, kind.lower())
+    return {"JPEG": "jpg", "TIFF": "tif", "JPEG2000": "jp2"}.get(kind, kind.lower())
 
 
 def _cache_image(data: bytes, target: Path, where: str) -> bool:

@@ -9,7 +9,29 @@ A record asks one question about one or more images::
 `images` are relative to a base directory (the JSONL file's folder unless told otherwise). For choice
 questions `options` lists the option texts in letter order (A, B, C, ...) and `solution` is the letter.
 `bbox` is the target's ground-truth box, relative [x0, y0, x1, y1] on the first image (synthetic tasks only).
-Any bad record fails with the file, the line and the field named.
+Any bad record fails with a `TaskRecordError` naming the file, the line and the field; no other exception
+type leaves `read_tasks`, `parse_json` or `parse_task`.
+
+Policies, one line each:
+
+- Encoding: UTF-8 only; other bytes fail as "file:line: not UTF-8 (byte 0x.. at column N)" (column in bytes).
+- A UTF-8 byte-order mark at the start of the file is skipped; CRLF line ends are accepted (lines split on
+  LF only, a trailing CR dropped, so U+2028 and other Unicode line breaks inside strings stay text).
+- Blank lines are skipped. A file with no records (empty, or blank lines only) reads as an empty list: that is
+  what `write_tasks` writes for an empty split (the synthetic generator's `test=0`); a stage that needs records
+  refuses an empty list itself (the synth stage does).
+- JSON is strict (`parse_json`): NaN, Infinity and -Infinity are refused, and so are numbers that overflow a
+  float (1e400); integers longer than MAX_INT_DIGITS (100) digits are refused before Python's int() sees
+  them; nesting deeper than MAX_JSON_DEPTH (64) arrays/objects is refused; a key repeated in one object is
+  refused naming the key (JSON leaves it undefined and Python would silently keep the last); strings (and
+  keys) holding lone UTF-16 surrogates (an escaped "\\ud800") are refused, as they are not Unicode text.
+- A record must be a JSON object; fields are validated by `TaskRecord` (pydantic), wrong types and values
+  named by field (e.g. `bbox.0`, `images.1`).
+- A `doc_id` that repeats an earlier record is refused, naming both lines.
+- Image paths (always checked, whether or not `check_images`): an absolute path is refused; then the shared
+  rule of `loupe.images.resolve_image_path` applies: an image suffix (case-insensitive), and the path,
+  resolved through every symlink (file or folder), must stay inside the base directory. `check_images`
+  adds that each file exists. Each failure names the field `images.N`.
 """
 
 from __future__ import annotations
@@ -21,7 +43,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from loupe.images import ImageError, resolve_image_path
+
 OPTION_LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+MAX_JSON_DEPTH = 64
+"""Arrays and objects nested deeper than this are refused (a record needs 3; json itself fails near 1,000)."""
+MAX_INT_DIGITS = 100
+"""Integers with more digits are refused (any real id or count fits; Python's int() refuses over 4,300)."""
 
 
 class TaskRecordError(ValueError):
@@ -104,34 +132,185 @@ def parse_task(data: Any, where: str) -> TaskRecord:
         raise TaskRecordError(f"{where}: {_describe(err)}") from None
 
 
+class _Refused:
+    """Stands in for a JSON value parse_json refuses, so the walk after decoding can name its field."""
+
+    def __init__(self, problem: str):
+        self.problem = problem
+
+
+class _ObjectWithRepeatedKey(dict):
+    """A decoded JSON object in which `key` appeared more than once."""
+
+    def __init__(self, pairs: list[tuple[str, Any]], key: str):
+        super().__init__(pairs)
+        self.key = key
+
+
+def _integer(text: str) -> int | _Refused:
+    digits = len(text.lstrip("-"))
+    if digits > MAX_INT_DIGITS:
+        return _Refused(f"an integer of {digits} digits (at most {MAX_INT_DIGITS} are accepted)")
+    return int(text)
+
+
+def _float(text: str) -> float | _Refused:
+    value = float(text)
+    return value if math.isfinite(value) else _Refused(f"the number {_short(text)} is out of range")
+
+
+def _constant(text: str) -> _Refused:
+    return _Refused(f"{text} is not a JSON number")
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            return _ObjectWithRepeatedKey(pairs, key)
+        seen.add(key)
+    return dict(pairs)
+
+
+def _short(text: str, limit: int = 60) -> str:
+    """`text` cut to `limit` characters, so a hostile value cannot flood an error message."""
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text):,} characters)"
+
+
+def _is_unicode(text: str) -> bool:
+    """False when `text` holds a lone UTF-16 surrogate (JSON's "\\ud800" escape decodes to one)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _first_problem(value: Any) -> tuple[str, str] | None:
+    """(field path, problem) of the first refused part of a decoded JSON value, or None if it is clean."""
+    stack: list[tuple[Any, str, int]] = [(value, "", 0)]
+    while stack:
+        item, path, depth = stack.pop()
+        if isinstance(item, _Refused):
+            return path, item.problem
+        if isinstance(item, str):
+            if not _is_unicode(item):
+                return path, "text holds a lone UTF-16 surrogate, which is not Unicode"
+            continue
+        if not isinstance(item, (dict, list)):
+            continue
+        if depth >= MAX_JSON_DEPTH:
+            return path, f"JSON nested deeper than {MAX_JSON_DEPTH} levels"
+        if isinstance(item, _ObjectWithRepeatedKey):
+            return f"{path}.{item.key}" if path else item.key, "the key appears more than once in one JSON object"
+        children = item.items() if isinstance(item, dict) else enumerate(item)
+        for key, child in reversed(list(children)):
+            if isinstance(key, str) and not _is_unicode(key):
+                return path, "a key holds a lone UTF-16 surrogate, which is not Unicode"
+            stack.append((child, f"{path}.{key}" if path else str(key), depth + 1))
+    return None
+
+
+def parse_json(text: str, where: str) -> Any:
+    """Decode one JSON text strictly, or raise TaskRecordError naming `where` (and the field, when known).
+
+    Stricter than `json.loads`: NaN, Infinity and numbers overflowing a float are refused; integers over
+    MAX_INT_DIGITS digits are refused before int() sees them (it raises ValueError over 4,300); nesting over
+    MAX_JSON_DEPTH is refused (json raises RecursionError only near 1,000); a key repeated within one object
+    is refused naming it; lone surrogates in strings or keys are refused. Refused numbers and objects are
+    decoded to placeholders first and then found by a walk, so the error names their field (`bbox.0`).
+    Written on the standard json module's hooks: no well-kept library offers these checks together.
+    """
+    try:
+        value = json.loads(text, parse_int=_integer, parse_float=_float, parse_constant=_constant,
+                           object_pairs_hook=_object)
+    except json.JSONDecodeError as err:
+        raise TaskRecordError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
+    except RecursionError:
+        raise TaskRecordError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
+    problem = _first_problem(value)
+    if problem is not None:
+        field, detail = problem
+        raise TaskRecordError(f"{where}: field '{_short(field)}': {detail}" if field else f"{where}: {detail}")
+    return value
+
+
+def decode_utf8(data: bytes, where: str) -> str:
+    """`data` as text, a leading UTF-8 byte-order mark dropped, or TaskRecordError naming line and column.
+
+    The error reads "`where`:LINE: not UTF-8 (byte 0xNN at column N)", lines and columns counted from 1,
+    columns in bytes.
+    """
+    bom = b"\xef\xbb\xbf"
+    skipped = len(bom) if data.startswith(bom) else 0
+    try:
+        return data[skipped:].decode("utf-8")
+    except UnicodeDecodeError as err:
+        offset = skipped + err.start
+        line = data.count(b"\n", 0, offset) + 1
+        column = offset - (data.rfind(b"\n", 0, offset) + 1) + 1
+        raise TaskRecordError(f"{where}:{line}: not UTF-8 (byte 0x{data[offset]:02x} at column {column})") from None
+
+
+def check_image_paths(task: TaskRecord, root: str | Path, where: str, must_exist: bool = False) -> list[Path]:
+    """The resolved files of `task.images` under `root`, or TaskRecordError naming `where` and `images.N`.
+
+    Refuses absolute paths (a record's paths are relative to its image root), then applies
+    `loupe.images.resolve_image_path`: an image suffix, and no escape from `root` by `..` or by a symlink
+    (file or folder). With `must_exist`, each file must exist.
+    """
+    files = []
+    for i, image in enumerate(task.images):
+        field = f"images.{i}"
+        if Path(image).is_absolute():
+            raise TaskRecordError(f"{where}: field '{field}': {_short(image)} is an absolute path; image paths "
+                                  f"in a record are relative to the image root {root}")
+        try:
+            resolved = resolve_image_path(root, image)
+        except ImageError as err:
+            raise TaskRecordError(f"{where}: field '{field}': {err}") from None
+        if must_exist:
+            try:
+                exists = resolved.is_file()
+            except OSError as err:  # e.g. a name too long for the file system, a folder we may not read
+                raise TaskRecordError(f"{where}: field '{field}': {_short(image)} cannot be checked "
+                                      f"({err.strerror})") from None
+            if not exists:
+                raise TaskRecordError(f"{where}: field '{field}': {Path(root) / image} does not exist")
+        files.append(resolved)
+    return files
+
+
 def read_tasks(path: str | Path, check_images: bool = False, base_dir: str | Path | None = None) -> list[TaskRecord]:
-    """Read a JSONL file of task records; with `check_images`, every image must exist under `base_dir`."""
+    """Read a JSONL file of task records; image paths must stay inside `base_dir` (default: the file's folder).
+
+    With `check_images`, every image must also exist. The module docstring lists the policies.
+    """
     path = Path(path)
     if not path.is_file():
         raise TaskRecordError(f"{path}: task file not found")
     base = Path(base_dir) if base_dir is not None else path.parent
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise TaskRecordError(f"{path}: cannot read the task file ({err.strerror})") from None
     records: list[TaskRecord] = []
     seen: dict[str, int] = {}
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{line_no}"
-            try:
-                data = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise TaskRecordError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
-            record = parse_task(data, where)
-            if record.doc_id in seen:
-                raise TaskRecordError(
-                    f"{where}: field 'doc_id': {record.doc_id!r} repeats the record on line {seen[record.doc_id]}"
-                )
-            seen[record.doc_id] = line_no
-            if check_images:
-                for i, image in enumerate(record.images):
-                    if not (base / image).is_file():
-                        raise TaskRecordError(f"{where}: field 'images.{i}': {base / image} does not exist")
-            records.append(record)
+    # Lines end at LF alone (a CR before it is dropped): str.splitlines would also split inside strings
+    # holding U+2028 or U+0085, which JSON allows unescaped.
+    for line_no, line in enumerate(decode_utf8(data, str(path)).split("\n"), start=1):
+        line = line.removesuffix("\r")
+        if not line.strip():
+            continue
+        where = f"{path}:{line_no}"
+        record = parse_task(parse_json(line, where), where)
+        if record.doc_id in seen:
+            raise TaskRecordError(
+                f"{where}: field 'doc_id': {_short(record.doc_id)!r} repeats the record on line {seen[record.doc_id]}"
+            )
+        seen[record.doc_id] = line_no
+        check_image_paths(record, base, where, must_exist=check_images)
+        records.append(record)
     return records
 
 

@@ -9,6 +9,7 @@ limit, or a context that could not fit another turn.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,7 +102,8 @@ def run_rollouts(
                 meta={"engine": engine.name},
             )
             question = protocol.question_text(task)
-            indices = [trajectory.add_image((image_root / p).resolve()) for p in task.images]
+            # Absolute but not resolved: a hub-cache file is a symlink to a blob with no image suffix.
+            indices = [trajectory.add_image(Path(os.path.abspath(image_root / p))) for p in task.images]
             trajectory.turns.append(Turn("user", question, images=indices))
             state = engine.begin(trajectory.system, question, shown)
             trajectory.prompt_tokens = engine.context_length(state)

@@ -120,10 +120,16 @@ def read_inputs(params_path: Path, model_path: Path, tasks_dir: Path) -> Inputs:
         raise ValueError(f"{params_path}: rollout.engine: the openai engine keeps no token ids to train on; use transformers or vllm")
     if not (Path(model_path) / "config.json").is_file():
         raise FileNotFoundError(f"{model_path}: not a Hugging Face model directory (no config.json)")
-    train = read_tasks(Path(tasks_dir) / f"{params.train_split}.jsonl", check_images=True)
+    train_file = Path(tasks_dir) / f"{params.train_split}.jsonl"
+    train = read_tasks(train_file, check_images=True)
+    if not train:
+        raise ValueError(f"{train_file}: holds no task records; rl needs at least one training prompt")
     val: list[TaskRecord] = []
     if params.val_every:
-        val = read_tasks(Path(tasks_dir) / f"{params.val_split}.jsonl", check_images=True)
+        val_file = Path(tasks_dir) / f"{params.val_split}.jsonl"
+        val = read_tasks(val_file, check_images=True)
+        if not val:
+            raise ValueError(f"{val_file}: holds no task records; set rl.val_every: 0 to train without validation")
         val = val[: params.val_prompts] if params.val_prompts else val
     config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
     markers = frozenset(

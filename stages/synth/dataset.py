@@ -13,7 +13,9 @@ The dataset (`<out>/dataset/`), rebuilt from the shards on every run in a tempor
     dataset_info.json   declares `loupe_synth` for LLaMA-Factory (`dataset_dir` = this folder)
     index.jsonl         one line per record: trajectory id, task id, teacher, pattern (for tracing a record back)
     images/             each distinct image file once, named by content, hard-linked where the filesystem
-                        allows (copied otherwise)
+                        allows (copied otherwise); an original that a plain decoder would show otherwise than
+                        `loupe.images.open_image` (EXIF rotation, transparency, 16-bit) is stored as
+                        `<prefix>.upright.png`, the pixels the model was shown and the crops were cut from
 
 Identical trajectories (same dialogue text and same image contents) become one record.
 """
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loupe.images import decodes_plainly, open_image
 from loupe.io import atomic_directory, atomic_write_json
 from loupe.protocol import to_sharegpt
 from loupe.trajectory import Trajectory, read_trajectories, write_trajectories
@@ -151,10 +154,17 @@ def write_llamafactory_dataset(trajectories: Iterable[Trajectory], folder: str |
                     if not source_path.is_file():
                         raise FileNotFoundError(f"trajectory {trajectory.traj_id}: image {source_path} not found")
                     digest = _file_digest(source_path)
-                    relative = f"images/{digest[:24]}{source_path.suffix.lower() or '.png'}"
+                    plain = decodes_plainly(source_path)
+                    suffix = source_path.suffix.lower() or ".png"
+                    relative = f"images/{digest[:24]}{suffix if plain else '.upright.png'}"
                     if not (tmp / relative).exists():
-                        _link_or_copy(source_path, tmp / relative)
-                        image_bytes += source_path.stat().st_size
+                        if plain:
+                            _link_or_copy(source_path, tmp / relative)
+                        else:
+                            # LLaMA-Factory decodes with a plain convert("RGB"): no EXIF rotation, alpha on black,
+                            # 16-bit clipped. It gets the pixels the crops were cut from instead.
+                            open_image(source_path).save(tmp / relative, format="PNG")
+                        image_bytes += (tmp / relative).stat().st_size
                     placed[source_path] = (relative, digest)
                 relative, digest = placed[source_path]
                 paths.append(relative)
