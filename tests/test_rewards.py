@@ -19,6 +19,7 @@ from loupe.rewards import (
     CustomRewardError,
     JudgeConfig,
     JudgeItem,
+    JudgeResult,
     LLMJudge,
     RewardConfig,
     RewardParts,
@@ -661,3 +662,16 @@ def test_fake_server_speaks_the_openai_protocol():
         custom = client.chat.completions.create(model="m", messages=messages)
         assert (custom.choices[0].finish_reason, custom.usage.completion_tokens) == ("length", 7)
         assert server.count() == 4 and server.count("/v1/models") == 1
+
+
+def test_the_judge_reads_the_question_without_image_placeholders():
+    class Recorder:
+        def judge(self, question, reference, prediction):
+            self.question = question
+            return JudgeResult(score=1.0, valid=True)
+
+    recorder = Recorder()
+    task = TaskRecord(doc_id="q", images=["a.png"], problem="<image>\nWhat is written on the sign?", solution="stop")
+    cfg = RewardConfig(free_form_match="judge", judge=JudgeConfig(base_url="http://127.0.0.1:9/v1", model="j", api_key_env=None))
+    parts = score(task, "halt", "answered", 1, 0, True, cfg, recorder)
+    assert recorder.question == "What is written on the sign?" and parts.accuracy == 1.0
