@@ -97,7 +97,7 @@ class OpenAIEndpointParams(Section):
     backoff_s: float = Field(0.5, ge=0)
     """First wait between attempts; each later one doubles, with +-50% jitter, and is at least Retry-After."""
     max_backoff_s: float = Field(8.0, ge=0)
-    """Cap on one wait between attempts (a server's Retry-After included)."""
+    """Cap on one exponential wait between attempts; a server's Retry-After (up to two minutes) is obeyed."""
     timeout_s: float = Field(120.0, gt=0)
     """Seconds one request may take."""
 

@@ -15,11 +15,12 @@ off, its default):
 So the client is built with `max_retries=0`, the raw body is read (`with_raw_response`) and checked by
 `validate_reply`, and `send_with_retries` is the one retry loop:
 - retried, one attempt each: HTTP 408, 409, 429 and 5xx; time-outs and dropped connections; every malformed 200
-  (`MalformedReply`: not JSON, truncated, no or empty `choices`, wrong types, empty or null content, missing or
-  unknown `finish_reason`, an event stream we did not ask for), and whatever the caller's `check` refuses;
+  (`MalformedReply`: not JSON, truncated, no or empty `choices`, wrong types, empty or null content, a missing
+  or empty `finish_reason` or vLLM's "abort", an event stream we did not ask for), and whatever the caller's
+  `check` refuses;
 - not retried: other 4xx (a wrong key, model or request does not fix itself);
-- wait before retry n (0-based): `backoff_s * 2**n` with +-50% jitter, at least the server's Retry-After,
-  at most `max_backoff_s`;
+- wait before retry n (0-based): `backoff_s * 2**n` with +-50% jitter, at most `max_backoff_s`, but never
+  less than the server's Retry-After (itself capped at two minutes);
 - when the attempts run out, `EndpointError` says "failed after N attempts", N being the requests sent.
 
 Empty or null content is a fault whatever the finish reason, `length` included: an endpoint that dropped the
@@ -46,6 +47,9 @@ KEYLESS = "EMPTY"
 """Sent as the key to a server that needs none (vLLM's own examples use it); the client refuses an empty key."""
 
 FINISH_REASONS = frozenset({"stop", "length", "tool_calls", "content_filter", "function_call"})
+"""The reasons the OpenAI API defines. Other servers send their own for the end of a sequence ("eos" on Together,
+"eos_token" on older TGI, "stop_sequence"), so any other non-empty reason is accepted and read as "the turn
+ended"; only a missing or empty one, or vLLM's "abort", is a fault."""
 """The finish reasons of the chat completion API (openai-python `types/chat/chat_completion.py`, `Choice`);
 any other (vLLM's `abort`, a proxy's own word) or none means the reply did not finish normally."""
 
@@ -83,12 +87,14 @@ class RetryPolicy:
     backoff_s: float
     """First wait; each later one doubles, with +-50% jitter."""
     max_backoff_s: float
-    """Cap on one wait (a server's Retry-After included)."""
+    """Cap on one exponential wait; a server's Retry-After (at most two minutes) is obeyed even when longer."""
 
     def delay(self, retry: int, retry_after: float = 0.0) -> float:
         """Seconds to wait before retry number `retry` (0-based)."""
         exponential = self.backoff_s * 2**retry * random.uniform(0.5, 1.5)
-        return min(self.max_backoff_s, max(retry_after, exponential))
+        # A server that says how long to wait is obeyed (retry_after_seconds caps it at two minutes): waiting
+        # less only spends the retries on more 429s.
+        return max(retry_after, min(self.max_backoff_s, exponential))
 
 
 @dataclass(frozen=True)
@@ -98,7 +104,7 @@ class ChatReply:
     text: str
     """The assistant's content: a non-empty string."""
     finish_reason: str
-    """One of FINISH_REASONS."""
+    """The endpoint's reason, a non-empty string (FINISH_REASONS, or a server's own word for end of sequence)."""
     prompt_tokens: int | None
     """From `usage`, None when the endpoint sent none."""
     completion_tokens: int | None
@@ -163,8 +169,10 @@ def validate_reply(body: Any) -> ChatReply:
     if not content:
         raise MalformedReply(f"choices.0.message.content is {'null' if content is None else 'empty'} "
                              f"(finish_reason {finish!r})")
-    if finish not in FINISH_REASONS:
-        raise MalformedReply(f"choices.0.finish_reason is {_preview(finish)}, not one of {sorted(FINISH_REASONS)}")
+    if not isinstance(finish, str) or not finish.strip():
+        raise MalformedReply(f"choices.0.finish_reason is {_preview(finish)}, not a reason")
+    if finish == "abort":  # vLLM's request aborted server-side: the text is cut, not finished
+        raise MalformedReply("choices.0.finish_reason is 'abort': the server dropped the request midway")
     usage = body.get("usage")
     if usage is None:
         return ChatReply(content, finish, None, None)

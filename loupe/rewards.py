@@ -71,7 +71,7 @@ class JudgeConfig(BaseModel):
     backoff_s: float = Field(default=1.0, ge=0)
     """First retry waits about this long; each later one doubles it, with +-50% jitter."""
     max_backoff_s: float = Field(default=30.0, ge=0)
-    """Cap on one wait between retries (also caps a server's Retry-After)."""
+    """Cap on one exponential wait between retries; a server's Retry-After (up to two minutes) is obeyed."""
     cache_dir: str | None = None
     """Directory of cached verdicts (one JSON file per verdict); None keeps them in memory only."""
     max_workers: int = Field(default=8, ge=1)
@@ -391,9 +391,9 @@ class LLMJudge:
     (the client's own retries are off): every reply is checked by `validate_reply`, and one without a
     "Score: N" is refused by the judge's own check, so malformed and unparseable replies consume the same retry
     budget as a 429. Retried: HTTP 408/409/429/5xx, timeouts, connection errors, malformed 200 replies (not
-    JSON, no choices, wrong types, empty or null content, unknown finish reason), unparseable replies. Not
+    JSON, no choices, wrong types, empty or null content, no finish reason), unparseable replies. Not
     retried: other 4xx (a wrong key or model will not fix itself). Waits: `backoff_s * 2**n`, +-50% jitter,
-    at least the server's Retry-After, at most `max_backoff_s`. `attempts` and `calls` count requests sent.
+    at most `max_backoff_s` but never less than the server's Retry-After. `attempts` and `calls` count requests sent.
 
     Cache: one small JSON file per verdict, `cache_dir/<2 hex>/<sha256>.json`, keyed by sha256 of (prompt
     version, judge model, question, reference, prediction). Each file is written to a temporary name and

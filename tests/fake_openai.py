@@ -77,7 +77,7 @@ MALFORMED_KINDS = (
     "null_content",  # `content: null`
     "empty_content_length",  # `content: ""` with finish_reason "length"
     "no_finish_reason",  # `finish_reason: null`
-    "unknown_finish_reason",  # `finish_reason: "abort"`
+    "aborted_finish_reason",  # `finish_reason: "abort"` (vLLM: dropped midway)
     "usage_wrong_types",  # `usage.prompt_tokens` a string
     "cut_stream",  # a server-sent event stream cut before its finish chunk and `[DONE]`
 )
@@ -328,7 +328,7 @@ def malformed_body(kind: str, model: str = "fake-model") -> tuple[bytes, str]:
         message["content"] = None
     elif kind == "no_finish_reason":
         choice["finish_reason"] = None
-    elif kind == "unknown_finish_reason":
+    elif kind == "aborted_finish_reason":
         choice["finish_reason"] = "abort"
     elif kind == "usage_wrong_types":
         completion["usage"]["prompt_tokens"] = "ten"

@@ -353,7 +353,7 @@ def test_retry_after_forms_and_the_backoff_bounds():
         assert retry_after_seconds(ignored) == 0.0
     policy = RetryPolicy(max_retries=5, backoff_s=1.0, max_backoff_s=6.0)
     assert all(0.5 <= policy.delay(0) <= 1.5 and 2.0 <= policy.delay(2) <= 6.0 for _ in range(50))
-    assert policy.delay(10) == 6.0 and policy.delay(0, retry_after=4.0) == 4.0 and policy.delay(0, 60.0) == 6.0
+    assert policy.delay(10) == 6.0 and policy.delay(0, retry_after=4.0) == 4.0 and policy.delay(0, 60.0) == 60.0  # Retry-After obeyed past the cap
 
 
 def test_a_valid_reply_without_usage_is_accepted():
@@ -391,3 +391,19 @@ def test_any_body_decodes_or_is_a_malformed_reply(raw):
         decode_body(raw)
     except MalformedReply as err:
         assert str(err)
+
+
+@pytest.mark.parametrize("reason", ["stop", "length", "eos", "eos_token", "stop_sequence"])
+def test_a_servers_own_word_for_the_end_of_a_sequence_is_a_valid_reply(reason):
+    body = {"id": "c", "object": "chat.completion", "created": 0, "model": "m",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "<answer>A</answer>"},
+                         "finish_reason": reason}]}
+    reply = validate_reply(body)
+    assert reply.text == "<answer>A</answer>" and reply.finish_reason == reason
+
+
+@pytest.mark.parametrize("reason", [None, "", "  ", 3, "abort"])
+def test_a_missing_or_aborted_finish_reason_is_malformed(reason):
+    body = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "x"}, "finish_reason": reason}]}
+    with pytest.raises(MalformedReply, match="finish_reason"):
+        validate_reply(body)
