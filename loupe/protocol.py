@@ -30,13 +30,11 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from loupe.data.tasks import OPTION_LETTERS, TaskRecord
+from loupe.data.tasks import IMAGE_PLACEHOLDER, OPTION_LETTERS, TaskRecord  # noqa: F401 (IMAGE_PLACEHOLDER re-exported)
 
 if TYPE_CHECKING:
     from loupe.trajectory import Trajectory
 
-IMAGE_PLACEHOLDER = "<image>"
-"""Where an image goes in a turn's text (LLaMA-Factory's placeholder; chat templates expand it)."""
 
 ORIGINAL_IMAGE = "original_image"
 

@@ -100,6 +100,22 @@ def test_solution_must_be_an_option_letter(tmp_path, solution):
     assert f"{path}:1:" in message and "solution" in message and "ABC" in message
 
 
+def test_a_problem_holding_one_placeholder_per_image_is_read_as_it_is(tmp_path):
+    path = write_lines(tmp_path / "t.jsonl", [record(problem="<image>\nWhat colour is the star?"),
+                                               record(doc_id="t-2", images=["a.png", "b.png"], problem="<image> or <image>?")])
+    assert [t.problem for t in read_tasks(path)] == ["<image>\nWhat colour is the star?", "<image> or <image>?"]
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [({"problem": "<image><image> Which colour?"}, "problem"), ({"images": ["a.png", "b.png"], "problem": "<image> Which?"}, "problem"),
+     ({"options": ["red", "<image>", "blue"]}, "options")],
+)
+def test_placeholders_that_do_not_match_the_images_are_named(tmp_path, changes, field):
+    path = write_lines(tmp_path / "t.jsonl", [record(), record(doc_id="t-2", **changes)])
+    assert f"{path}:2: field '{field}':" in read_error(path)
+
+
 def test_a_single_option_is_refused(tmp_path):
     path = write_lines(tmp_path / "t.jsonl", [record(options=["red"], solution="A")])
     assert "options" in read_error(path)

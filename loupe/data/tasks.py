@@ -46,6 +46,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from loupe.images import ImageError, resolve_image_path
 
 OPTION_LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+IMAGE_PLACEHOLDER = "<image>"
+"""Where an image goes in a turn's text (LLaMA-Factory's placeholder; chat templates expand it)."""
 MAX_JSON_DEPTH = 64
 """Arrays and objects nested deeper than this are refused (a record needs 3; json itself fails near 1,000)."""
 MAX_INT_DIGITS = 100
@@ -90,6 +92,19 @@ class TaskRecord(BaseModel):
         return box
 
     @model_validator(mode="after")
+    def _placeholders_match_the_images(self) -> "TaskRecord":
+        # The protocol puts one placeholder per image before a problem holding none, and keeps a problem holding
+        # exactly one per image as it is (Mini-o3's records start with "<image>\n"); any other count cannot be
+        # matched to the images.
+        found = self.problem.count(IMAGE_PLACEHOLDER)
+        if found not in (0, len(self.images)):
+            raise ValueError(f"problem: holds {found} {IMAGE_PLACEHOLDER} placeholders for {len(self.images)} images; "
+                             "give none (one per image is added) or exactly one per image")
+        if any(IMAGE_PLACEHOLDER in option for option in self.options or []):
+            raise ValueError(f"options: an option may not hold the image placeholder {IMAGE_PLACEHOLDER}")
+        return self
+
+    @model_validator(mode="after")
     def _solution_names_an_option(self) -> "TaskRecord":
         if self.options is not None:
             if not 2 <= len(self.options) <= len(OPTION_LETTERS):
@@ -117,8 +132,11 @@ class TaskRecord(BaseModel):
 def _describe(err: ValidationError) -> str:
     parts = []
     for e in err.errors():
-        field = ".".join(str(p) for p in e["loc"]) or "record"
-        parts.append(f"field '{field}': {e['msg']}")
+        field = ".".join(str(p) for p in e["loc"])
+        message = e["msg"].removeprefix("Value error, ")
+        if not field:  # a check across fields says which field it faults as "<field>: ..."
+            field, _, message = message.partition(": ") if ": " in message else ("record", "", message)
+        parts.append(f"field '{field}': {message}")
     return "; ".join(parts)
 
 
