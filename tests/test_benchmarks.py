@@ -437,6 +437,23 @@ def test_vstar_reads_both_published_layouts(tmp_path, with_question_file):
     check_loaded(copy, load_benchmark("vstar", copy.path, tmp_path / "cache"))
 
 
+def test_vstar_folders_read_only_image_files_beside_their_annotations(tmp_path):
+    copy = build_vstar(tmp_path, with_question_file=False)
+    (copy.path / "direct_attributes" / "notes.txt").write_text("not an image")
+    (copy.path / "direct_attributes" / "notes.json").write_text('{"question": "?", "options": ["a", "b"]}')
+    check_loaded(copy, load_benchmark("vstar", copy.path, tmp_path / "cache"))  # the same questions as without them
+
+
+def test_a_jsonl_line_may_hold_a_unicode_line_separator_inside_a_string(tmp_path):
+    write_vstar(tmp_path, vstar_rows())
+    rows = [json.loads(line) for line in (tmp_path / "test_questions.jsonl").read_text().splitlines()]
+    rows[0]["category"] = "direct\u2028attributes"
+    (tmp_path / "test_questions.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    assert "\u2028" in (tmp_path / "test_questions.jsonl").read_text()
+    benchmark = load_benchmark("vstar", tmp_path, tmp_path / "cache")
+    assert benchmark.tasks[0].category == "direct\u2028attributes"
+
+
 def test_vstar_option_order_of_the_per_question_files_is_fixed_and_spread(tmp_path):
     copy = build_vstar(tmp_path, with_question_file=False)
     first = load_benchmark("vstar", copy.path, tmp_path / "cache").tasks

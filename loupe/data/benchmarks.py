@@ -56,6 +56,7 @@ from loupe.data.tasks import (
     parse_task,
     read_tasks,
 )
+from loupe.images import IMAGE_FORMATS, is_image_name
 from loupe.io import atomic_write_bytes
 from loupe.protocol import IMAGE_PLACEHOLDER
 
@@ -307,7 +308,8 @@ def _literal_options(text: str, where: str, field: str) -> list[str]:
 
 def _json_lines(file: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     """(where, record) for each non-blank line of a JSONL file of objects; `where` is `file:line`."""
-    for line_no, line in enumerate(_read_text(file).splitlines(), start=1):
+    # Split on LF only, as read_tasks does: U+2028 and other Unicode line breaks may stand inside a JSON string.
+    for line_no, line in enumerate(_read_text(file).split("\n"), start=1):
         if not line.strip():
             continue
         where = f"{file}:{line_no}"
@@ -392,8 +394,8 @@ def _read_vstar_folders(name: str, home: Path) -> Benchmark:
     seen: dict[str, str] = {}
     for category in VSTAR_CATEGORIES:
         folder = home / category
-        images = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() != ".json"
-                        and not p.name.startswith("."))
+        # Every image of the folder, by the shared rule of what an image file is (a notes.txt is not one).
+        images = sorted(p for p in folder.iterdir() if p.is_file() and is_image_name(p) and not p.name.startswith("."))
         for image in images:
             annotation = image.with_suffix(".json")
             where = str(annotation)
@@ -576,7 +578,7 @@ def _image_extension(data: bytes, where: str) -> str:
     from PIL import Image
 
     try:
-        with Image.open(io.BytesIO(data)) as image:  # reads the header only
+        with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as image:  # the header only; formats open_image reads
             kind = image.format or ""
     except Exception as err:  # PIL raises many types for data that is not an image
         raise BenchmarkFormatError(f"{where}: field 'image': decoded bytes are not an image ({err})") from None
