@@ -162,3 +162,13 @@ def test_a_rollout_index_that_is_not_a_number_is_named(tmp_path, capsys):
     pq.write_table(pa.Table.from_pylist([bad], schema=schema), tmp_path / "rows.parquet")
     code, _ = run_import(tmp_path, tmp_path / "rows.parquet")
     assert code == 2 and "field 'rollout_index': 'first' is not a whole number" in capsys.readouterr().err
+
+
+def test_a_train_folder_is_the_train_split_too(tmp_path):
+    from stages.synth.importer import parquet_files
+
+    for split in ("train", "test"):
+        (tmp_path / "data" / split).mkdir(parents=True)
+        write_parquet(tmp_path / "data" / split / "0000.parquet",
+                      [row(json.dumps(good_dialogue("red")), [ORIGINAL, CROP], ["a.jpg", "b.png"], 0)])
+    assert parquet_files(tmp_path) == [tmp_path / "data" / "train" / "0000.parquet"]

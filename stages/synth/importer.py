@@ -43,12 +43,12 @@ def _whole_number(value: Any, where: str, field: str) -> int:
     if value is None or value == "":
         return 0
     try:
-        number = int(str(value).strip()) if not isinstance(value, int) else value
+        number = float(str(value).strip())  # parquet may store it as 3 or 3.0
     except ValueError:
-        number = -1
-    if isinstance(value, bool) or number < 0:
+        number = -1.0
+    if isinstance(value, bool) or number < 0 or not number.is_integer():
         raise ImportFormatError(f"{where}: field '{field}': {str(value)[:40]!r} is not a whole number")
-    return number
+    return int(number)
 
 
 def parquet_files(path: str | Path) -> list[Path]:
@@ -59,7 +59,8 @@ def parquet_files(path: str | Path) -> list[Path]:
         return [path]
     if path.is_dir():
         files = sorted(path.rglob("*.parquet"))
-        train = [f for f in files if f.name.startswith("train")]
+        # Hugging Face names a split's files train-*.parquet, or puts them in a train/ folder.
+        train = [f for f in files if f.name.startswith("train") or "train" in f.relative_to(path).parts[:-1]]
         if files:
             return train or files
         raise FileNotFoundError(f"{path}: no *.parquet file in this folder")
