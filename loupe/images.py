@@ -43,6 +43,7 @@ Policies, one line each:
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -119,10 +120,17 @@ def _is_hub_cache_blob(root: Path, link: Path, target: Path) -> bool:
     parts = root.parts
     for i in range(len(parts) - 2, 0, -1):  # `snapshots` followed by at least the revision
         if parts[i] == "snapshots":
-            blobs = Path(*parts[:i]) / "blobs"
-            return (target.is_relative_to(blobs) and blobs.is_dir()
+            repo = Path(*parts[:i])
+            # The layout huggingface_hub writes (file_download.py, `hf_hub_download`): a 40-hex commit folder,
+            # a refs/ folder beside blobs/, and blobs named by their hex etag (sha1 or sha256).
+            return (_HEX.fullmatch(parts[i + 1]) is not None and len(parts[i + 1]) == 40
+                    and (repo / "refs").is_dir() and target.parent == repo / "blobs"
+                    and _HEX.fullmatch(target.name) is not None and len(target.name) in (40, 64)
                     and link.parent.resolve().is_relative_to(root))
     return False
+
+
+_HEX = re.compile(r"[0-9a-f]+")
 
 
 def open_image(

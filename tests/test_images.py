@@ -461,10 +461,12 @@ def hub_cache(tmp_path) -> Path:
     """A hub cache with one data set (`datasets--org--bench`), its image stored as a blob, and a second repo."""
     repo = tmp_path / "hub" / "datasets--org--bench"
     (repo / "blobs").mkdir(parents=True)
-    Image.new("RGB", (40, 30), RED).save(repo / "blobs" / "9f8e7d", format="PNG")
-    snapshot = repo / "snapshots" / "0123abcd"
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd0123abcd0123abcd0123abcd0123abcd")
+    Image.new("RGB", (40, 30), RED).save(repo / "blobs" / "9f8e7d0000000000000000000000000000000000", format="PNG")
+    snapshot = repo / "snapshots" / "0123abcd0123abcd0123abcd0123abcd0123abcd"
     (snapshot / "images").mkdir(parents=True)
-    (snapshot / "images" / "a.png").symlink_to(Path("../../../blobs/9f8e7d"))  # as huggingface_hub links them
+    (snapshot / "images" / "a.png").symlink_to(Path("../../../blobs/9f8e7d0000000000000000000000000000000000"))  # as huggingface_hub links them
     other = tmp_path / "hub" / "datasets--org--other" / "blobs"
     other.mkdir(parents=True)
     Image.new("RGB", (40, 30), BLUE).save(other / "0000", format="PNG")
@@ -481,29 +483,38 @@ def test_a_hub_cache_link_into_another_repository_or_out_of_the_cache_is_refused
     (hub_cache / "images" / "theirs.png").symlink_to(tmp_path / "hub" / "datasets--org--other" / "blobs" / "0000")
     Image.new("RGB", (40, 30)).save(tmp_path / "outside.png")
     (hub_cache / "images" / "out.png").symlink_to(tmp_path / "outside.png")
-    for name in ("images/theirs.png", "images/out.png", "../../blobs/9f8e7d.png"):
+    for name in ("images/theirs.png", "images/out.png", "../../blobs/9f8e7d0000000000000000000000000000000000.png"):
         with pytest.raises(ImageError, match="escapes the image root"):
             resolve_image_path(hub_cache, name)
+
+
+def test_a_folder_that_only_looks_like_a_hub_cache_gets_no_exception(hub_cache):
+    (hub_cache.parent.parent / "refs" / "main").unlink()
+    (hub_cache.parent.parent / "refs").rmdir()  # no refs/: not the layout huggingface_hub writes
+    with pytest.raises(ImageError, match="escapes the image root"):
+        resolve_image_path(hub_cache, "images/a.png")
 
 
 def test_only_the_last_hop_may_reach_the_blobs(hub_cache):
     # A folder link out of the root, even into the blobs, is refused: the link's own folder must be inside.
     (hub_cache / "store").symlink_to(hub_cache.parent.parent / "blobs", target_is_directory=True)
-    (hub_cache.parent.parent / "blobs" / "b.png").symlink_to(hub_cache.parent.parent / "blobs" / "9f8e7d")
+    (hub_cache.parent.parent / "blobs" / "b.png").symlink_to(hub_cache.parent.parent / "blobs" / "9f8e7d0000000000000000000000000000000000")
     with pytest.raises(ImageError, match="escapes the image root"):
         resolve_image_path(hub_cache, "store/b.png")
 
 
-def test_the_hub_cache_rule_goes_by_layout_and_reaches_only_the_blobs_folder(tmp_path):
-    root = tmp_path / "snapshots" / "mine"
-    root.mkdir(parents=True)
+def test_the_hub_cache_rule_needs_the_hub_layouts_names(tmp_path):
+    (tmp_path / "refs").mkdir()
     (tmp_path / "blobs").mkdir()
+    Image.new("RGB", (40, 30)).save(tmp_path / "blobs" / ("ab" * 20), format="PNG")
     Image.new("RGB", (40, 30)).save(tmp_path / "blobs" / "x.png")
-    (root / "a.png").symlink_to(tmp_path / "blobs" / "x.png")
-    # <repo> is tmp_path here, whose blobs/ exists: the layout alone decides, and this one is a cache's...
-    assert resolve_image_path(root, "a.png") == (tmp_path / "blobs" / "x.png").resolve()
-    # ...but not a link to anything outside that blobs folder.
-    Image.new("RGB", (40, 30)).save(tmp_path / "y.png")
-    (root / "b.png").symlink_to(tmp_path / "y.png")
-    with pytest.raises(ImageError, match="escapes the image root"):
-        resolve_image_path(root, "b.png")
+    for revision, blob, accepted in [("c" * 40, "ab" * 20, True), ("mine", "ab" * 20, False), ("c" * 40, "x.png", False)]:
+        root = tmp_path / "snapshots" / revision
+        root.mkdir(parents=True, exist_ok=True)
+        link = root / f"{revision}-{blob}.png"
+        link.symlink_to(tmp_path / "blobs" / blob)
+        if accepted:
+            assert resolve_image_path(root, link.name) == (tmp_path / "blobs" / blob).resolve()
+        else:
+            with pytest.raises(ImageError, match="escapes the image root"):
+                resolve_image_path(root, link.name)
