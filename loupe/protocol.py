@@ -63,7 +63,7 @@ MINI_O3_OBSERVATION_TEMPLATE = (
     "<grounding> and </grounding> as before. If the final answer is confirmed, put your final answer inside "
     "<answer> and </answer>."
 )
-"""`TOOL_CALL_CROP_MULTI_TRUN_PROMPT`, the user turn returning a crop. `vLLMRollout.process_tool_call` in
+"""`TOOL_CALL_CROP_MULTI_TRUN_PROMPT`, the user turn returning a crop. `AsyncvLLMEngine.process_tool_call` in
 verl/workers/rollout/vllm_rollout/vllm_async_engine.py (the `rollout.mode="async"` engine of Mini-o3's demo and
 eval commands) fills it with `action_turn=current_iteration, observation_turn=current_iteration+1`, where
 `current_iteration` counts the dialogue's assistant turns from 0: the first crop is "Action 0 … Observation 1"."""
@@ -73,7 +73,7 @@ MINI_O3_IMAGE_MARKUP = "<|vision_start|><|image_pad|><|vision_end|>"
 an `<image>` placeholder, so Loupe's turns hold `IMAGE_PLACEHOLDER` where Mini-o3's constant holds this."""
 
 MINI_O3_TOOL_ERROR_TEMPLATE = "ERROR occurs during grounding. Error Information: {error_info}.\n"
-"""What `vLLMRollout.process_tool_call` (vllm_async_engine.py) sends when a grounding call fails, followed by
+"""What `AsyncvLLMEngine.process_tool_call` (vllm_async_engine.py) sends when a grounding call fails, followed by
 `MINI_O3_ERROR_PROMPT` in the same user turn."""
 
 MINI_O3_ERROR_PROMPT = (

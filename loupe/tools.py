@@ -2,12 +2,14 @@
 
 The crop tool takes a box on a named source (the original image, or an earlier observation), clamps it to
 that source, refuses degenerate boxes, and cuts the region from the original's full-resolution pixels: a box on
-an observation is first composed with the region of the original that observation shows, so each zoom can
-show more detail than the last. (Mini-o3's own tool, `crop_image` and `prepare_grounding_inputs_multi_turn` in
-verl/workers/rollout/vllm_rollout/function_tools.py, crops the stored observation image instead; composing the
-boxes gives the same region without the detail lost to an intermediate resize.) The crop is then resized into
-the pixel budget with the rule Qwen2.5-VL's image processor uses (`smart_resize`: sides multiples of 28, area
-within min/max pixels), so the processor does not resize it again.
+an observation is composed with the region of the original that observation shows, so each zoom can show more
+detail than the last. This is Mini-o3's semantics: its rollout (`AsyncvLLMEngine.process_tool_call` in
+verl/workers/rollout/vllm_rollout/vllm_async_engine.py, with `crop_image(..., resize=1)` and
+`prepare_grounding_inputs_multi_turn` in function_tools.py) keeps each observation as the full-resolution crop
+and shows the model a resized copy. Loupe keeps the region instead of the crop and composes the boxes in floats,
+rounding outwards once on the original (Mini-o3 truncates each box to whole pixels with int()). The crop is
+then resized into the pixel budget with the rule Qwen2.5-VL's image processor uses (`smart_resize`: sides
+multiples of 28, area within min/max pixels), so the processor does not resize it again.
 
 A tool never raises on a model's request: `run_tool` returns either a result or a typed `ToolError` that the
 rollout loop sends back as an error observation. Images the user supplied are another matter: a missing,
@@ -99,8 +101,10 @@ class CropResult:
     box_px: tuple[int, int, int, int]
     """The box on the named source, in that source's pixels, clamped and rounded outwards (what the model
     pointed at on the image it was shown)."""
+    region: tuple[float, float, float, float]
+    """The box composed onto the original, in its pixels (floats): what the observation shows."""
     region_px: tuple[int, int, int, int]
-    """The pixels of the original that were cut: the box composed through the source's own region."""
+    """The pixels of the original that were cut: `region` rounded outwards."""
 
 
 @dataclass
@@ -115,8 +119,8 @@ class ImageSession:
     original_path: Path | None = None
     original: Image.Image | None = None
     observations: list[Image.Image] = field(default_factory=list)
-    regions: list[tuple[int, int, int, int]] = field(default_factory=list)
-    """Per observation, the pixel box of the original it shows (`CropResult.region_px`)."""
+    regions: list[tuple[float, float, float, float]] = field(default_factory=list)
+    """Per observation, the box of the original it shows, in the original's pixels (`CropResult.region`)."""
     image_root: Path | None = None
     max_decode_pixels: int = DEFAULT_MAX_DECODE_PIXELS
 
@@ -127,20 +131,20 @@ class ImageSession:
             return self._original()
         return self.observations[number - 1] if number is not None else None
 
-    def region(self, source: str) -> tuple[int, int, int, int] | None:
-        """The pixel box of the original that the named source shows; None for an unknown source."""
+    def region(self, source: str) -> tuple[float, float, float, float] | None:
+        """The box of the original that the named source shows, in its pixels; None for an unknown source."""
         number = self._number(source)
         if number is None:
             return None
         if number == 0:
             original = self._original()
-            return None if original is None else (0, 0, original.width, original.height)
+            return None if original is None else (0.0, 0.0, float(original.width), float(original.height))
         return self.regions[number - 1]
 
-    def add_observation(self, image: Image.Image, region_px: tuple[int, int, int, int]) -> str:
-        """Keep a crop as the next observation, with the pixel box of the original it shows; returns its name."""
+    def add_observation(self, image: Image.Image, region: tuple[float, float, float, float]) -> str:
+        """Keep a crop as the next observation, with the box of the original it shows; returns its name."""
         self.observations.append(image)
-        self.regions.append(tuple(region_px))  # type: ignore[arg-type]
+        self.regions.append(tuple(float(v) for v in region))  # type: ignore[arg-type]
         return f"observation_{len(self.observations)}"
 
     def _number(self, source: str) -> int | None:
@@ -204,8 +208,10 @@ def crop(session: ImageSession, arguments: dict[str, Any], budget: PixelBudget) 
     # The source shows region (rx0, ry0, rx1, ry1) of the original, scaled to width x height.
     rx0, ry0, rx1, ry1 = session.region(source_name)  # type: ignore[misc]
     kx, ky = (rx1 - rx0) / width, (ry1 - ry0) / height
-    left, top = math.floor(rx0 + x0 * kx + 1e-9), math.floor(ry0 + y0 * ky + 1e-9)
-    right, bottom = math.ceil(rx0 + x1 * kx - 1e-9), math.ceil(ry0 + y1 * ky - 1e-9)
+    composed = (rx0 + x0 * kx, ry0 + y0 * ky, rx0 + x1 * kx, ry0 + y1 * ky)
+    # Outwards to whole pixels, once; 1e-9 keeps float noise (279.9999999999) from adding a pixel.
+    left, top = math.floor(composed[0] + 1e-9), math.floor(composed[1] + 1e-9)
+    right, bottom = math.ceil(composed[2] - 1e-9), math.ceil(composed[3] - 1e-9)
     right, bottom = max(right, left + 1), max(bottom, top + 1)
     crop_w, crop_h = right - left, bottom - top
     if max(crop_w, crop_h) / min(crop_w, crop_h) > MAX_ASPECT_RATIO:
@@ -223,7 +229,7 @@ def crop(session: ImageSession, arguments: dict[str, Any], budget: PixelBudget) 
     if region.size != (new_w, new_h):
         region = region.resize((new_w, new_h), Image.Resampling.BICUBIC)
     box_px = (math.floor(x0), math.floor(y0), math.ceil(x1), math.ceil(y1))
-    return CropResult(image=region, source=source_name, box_px=box_px, region_px=(left, top, right, bottom))
+    return CropResult(image=region, source=source_name, box_px=box_px, region=composed, region_px=(left, top, right, bottom))
 
 
 @dataclass(frozen=True)

@@ -729,7 +729,7 @@ def test_every_variant_has_a_system_prompt_naming_its_answer_tags(name):
 # --- Mini-o3's own strings ----------------------------------------------------------------------------------
 # Copied from github.com/Mini-o3/Mini-o3 at commit 8654dbf: verl/trainer/constants.py (TOOL_CROP_SYSTEM_PROMPT,
 # TOOL_CALL_CROP_MULTI_TRUN_PROMPT, ERROR_INFO_MULTI_TURN_PROMPT) and the error line of
-# vLLMRollout.process_tool_call in verl/workers/rollout/vllm_rollout/vllm_async_engine.py. Written out here a
+# AsyncvLLMEngine.process_tool_call in verl/workers/rollout/vllm_rollout/vllm_async_engine.py. Written out here a
 # second time, apart from loupe/protocol.py, so an edit to the constants fails this test.
 
 THEIR_SYSTEM_PROMPT = """You are a helpful assistant. Answer the user's question based on the image provided. Output your thinking process within the <think> and </think> tags. Whenever you find anything unclear, you can zoom in a specific region in the given image to see more clearly by outputing <grounding>{\"bbox_2d\": [x0, y0, x1, y1], \"source\": \"original_image\"}</grounding>, where (x0, y0) and (x1, y1) are the top-left and bottom-right coordinates of the region that you want to zoom in, respectively (suppose the width and height of the image are 1.0), and 'source' refers to the image that you zoom in and could be either 'original_image' or 'observation_i'. Once the final answer is confirmed, put it within <answer> and </answer>."""

@@ -167,8 +167,9 @@ def test_llamafactory_trains_two_steps_on_the_dataset(finished, tiny_model_dir, 
 
 
 def test_every_crop_in_the_dataset_is_the_originals_pixels_at_the_composed_box(finished):
-    """Replayed as Mini-o3 would read the dataset: each call's box, composed through the observations it names,
-    is a box on the original; the crop shown next must be those full-resolution pixels, resized."""
+    """Replayed as Mini-o3 reads the dataset: each call's relative box, composed through the observations it names,
+    is a box on the original. The region Loupe recorded must lie within 1 px of it, and the crop shown next must
+    be the original's full-resolution pixels there, resized (not pixels of a downscaled observation)."""
     import re
 
     import numpy as np
@@ -177,28 +178,30 @@ def test_every_crop_in_the_dataset_is_the_originals_pixels_at_the_composed_box(f
     out, _ = finished
     folder = out / "dataset"
     records = json.loads((folder / f"{DATASET_NAME}.json").read_text())
+    index = [json.loads(line) for line in (folder / "index.jsonl").read_text().splitlines()]
+    recorded = {}  # traj_id -> the region_px of each observation, from the shards' trajectories
+    for file in sorted((out / "shards").glob("shard-*/trajectories.jsonl")):
+        for line in file.read_text().splitlines():
+            trajectory = json.loads(line)
+            recorded[trajectory["traj_id"]] = [t["crop"]["region_px"] for t in trajectory["turns"] if t.get("crop")]
     checked = {"original_image": 0, "observation": 0}
-    for record in records:
+    for record, row in zip(records, index):
         original = Image.open(folder / record["images"][0]).convert("RGB")
-        regions = {"original_image": (0.0, 0.0, float(original.width), float(original.height))}
-        sizes = {"original_image": original.size}
-        shown = 0
-        for turn in record["conversations"]:
-            if turn["from"] != "gpt" or "<grounding>" not in turn["value"]:
-                continue
-            call = json.loads(re.search(r"<grounding>(.*?)</grounding>", turn["value"], re.S).group(1))
-            source = call["source"]
-            rx0, ry0, rx1, ry1 = regions[source]
+        width, height = original.size
+        relative = {"original_image": (0.0, 0.0, 1.0, 1.0)}  # each image's box on the original, as fractions
+        calls = [json.loads(re.search(r"<grounding>(.*?)</grounding>", turn["value"], re.S).group(1))
+                 for turn in record["conversations"] if turn["from"] == "gpt" and "<grounding>" in turn["value"]]
+        assert len(calls) == len(recorded[row["traj_id"]]) == len(record["images"]) - 1
+        for shown, (call, region_px) in enumerate(zip(calls, recorded[row["traj_id"]]), start=1):
+            sx0, sy0, sx1, sy1 = relative[call["source"]]
             x0, y0, x1, y1 = call["bbox_2d"]
-            composed = (rx0 + x0 * (rx1 - rx0), ry0 + y0 * (ry1 - ry0), rx0 + x1 * (rx1 - rx0), ry0 + y1 * (ry1 - ry0))
-            cut = (int(np.floor(composed[0] + 1e-9)), int(np.floor(composed[1] + 1e-9)),
-                   int(np.ceil(composed[2] - 1e-9)), int(np.ceil(composed[3] - 1e-9)))
-            assert all(abs(a - b) < 1.0 for a, b in zip(cut, composed))  # within 1 px in original coordinates
-            shown += 1
+            box = (sx0 + x0 * (sx1 - sx0), sy0 + y0 * (sy1 - sy0), sx0 + x1 * (sx1 - sx0), sy0 + y1 * (sy1 - sy0))
+            relative[f"observation_{shown}"] = box
+            composed = (box[0] * width, box[1] * height, box[2] * width, box[3] * height)
+            assert all(abs(a - b) < 1.0 for a, b in zip(region_px, composed)), (row["traj_id"], region_px, composed)
             crop = Image.open(folder / record["images"][shown]).convert("RGB")
-            expected = original.crop(cut).resize(crop.size, Image.Resampling.BICUBIC)
+            expected = original.crop(tuple(region_px)).resize(crop.size, Image.Resampling.BICUBIC)
             difference = np.abs(np.asarray(crop, dtype=np.int16) - np.asarray(expected, dtype=np.int16))
-            assert difference.max() <= 1, (record["images"][shown], source, call["bbox_2d"])
-            checked["original_image" if source == "original_image" else "observation"] += 1
-            regions[f"observation_{shown}"], sizes[f"observation_{shown}"] = cut, crop.size
+            assert difference.max() <= 1, (record["images"][shown], call)
+            checked["original_image" if call["source"] == "original_image" else "observation"] += 1
     assert checked["observation"] >= 3 and checked["original_image"] >= 6, checked

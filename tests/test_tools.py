@@ -227,7 +227,7 @@ def test_crop_of_an_observation_is_cut_from_the_originals_pixels_at_the_composed
     session = ImageSession(original=noise)
     first = crop(session, {"bbox_2d": [0.25, 0.25, 0.5, 0.5], "frame": "relative"}, PixelBudget(28 * 28, 28 * 28 * 16))
     assert first.region_px == (280, 224, 560, 448) and first.image.size == (112, 84)  # downscaled 2.5x
-    assert session.add_observation(first.image, first.region_px) == "observation_1"
+    assert session.add_observation(first.image, first.region) == "observation_1"
     second = crop(session, {"bbox_2d": [0.0, 0.0, 0.5, 0.5], "source": "observation_1", "frame": "relative"},
                   PixelBudget())
     assert isinstance(second, CropResult)
@@ -243,7 +243,7 @@ def test_a_deeper_zoom_shows_detail_the_first_observation_lost(noise):
     session = ImageSession(original=noise)
     small = PixelBudget(28 * 28, 28 * 28 * 4)
     first = crop(session, {"bbox_2d": [0.0, 0.0, 1.0, 1.0]}, small)
-    name = session.add_observation(first.image, first.region_px)
+    name = session.add_observation(first.image, first.region)
     second = crop(session, {"bbox_2d": [0.5, 0.5, 0.5625, 0.5625], "source": name}, PixelBudget())
     # 1/16 of each side of the original is 70x56 px of real noise; cut from the 56x28 observation it would be
     # 3.5x1.75 px blown up.
@@ -262,8 +262,8 @@ def test_zooms_chained_through_observations_compose_exactly(noise):
         w, h = rx1 - rx0, ry1 - ry0
         composed = (rx0 + box[0] * w, ry0 + box[1] * h, rx0 + box[2] * w, ry0 + box[3] * h)
         assert all(abs(a - b) < 1.0 for a, b in zip(result.region_px, composed)), (result.region_px, composed)
-        name = session.add_observation(result.image, result.region_px)
-    assert session.region(name) == result.region_px
+        name = session.add_observation(result.image, result.region)
+    assert session.region(name) == result.region
 
 
 def test_observation_0_names_the_original(noise):
@@ -362,7 +362,7 @@ def test_a_box_under_one_pixel_of_an_observation_is_refused_though_it_spans_orig
     session = ImageSession(original=noise)
     first = crop(session, {"bbox_2d": [0, 0, 1, 1]}, PixelBudget(28 * 28, 28 * 28 * 4))
     assert first.image.size == (56, 28)  # showing all 1120x896 px of the original
-    name = session.add_observation(first.image, first.region_px)
+    name = session.add_observation(first.image, first.region)
     result = crop(session, {"bbox_2d": [0.5, 0.2, 0.51, 0.8], "source": name}, PixelBudget())  # 0.56 px wide
     assert isinstance(result, ToolError) and "less than one pixel of the 56x28 source" in result.detail
 
@@ -687,7 +687,9 @@ def rotate(session: ImageSession, arguments: dict, budget: PixelBudget) -> CropR
         return ToolError(ToolErrorKind.BAD_ARGUMENTS, "'angle' must be 90, 180 or 270")
     turned = image.rotate(arguments["angle"], expand=True)
     new_h, new_w = smart_resize(turned.height, turned.width, budget)
-    return CropResult(turned.resize((new_w, new_h)), source, (0, 0, image.width, image.height), session.region(source))
+    region = session.region(source)
+    return CropResult(turned.resize((new_w, new_h)), source, (0, 0, image.width, image.height), region,
+                      tuple(round(v) for v in region))
 
 
 @pytest.fixture

@@ -194,7 +194,7 @@ def _add_observation(
     max_new_tokens: int,
 ) -> str | None:
     trajectory = item.trajectory
-    name = item.session.add_observation(result.image, result.region_px)
+    name = item.session.add_observation(result.image, result.region)
     number = int(name.rsplit("_", 1)[1])
     source_index = 0 if result.source == "original_image" else _observation_image_index(trajectory, result.source)
     index = trajectory.add_image(result.image)
