@@ -213,7 +213,12 @@ def decodes_plainly(path: str | Path) -> bool:
     header only. A file for which this is False must be handed to such a loader as `open_image`'s result."""
     try:
         with Image.open(path, formats=IMAGE_FORMATS) as img:
-            orientation = img.getexif().get(ExifTags.Base.Orientation, 1)
+            # PIL's PNG reader decodes the whole image to look for an eXIf chunk after the pixels; a PNG without
+            # one anywhere in the file has no orientation, and a byte search is far cheaper than a decode.
+            if img.format == "PNG" and b"eXIf" not in Path(path).read_bytes():
+                orientation = 1
+            else:
+                orientation = img.getexif().get(ExifTags.Base.Orientation, 1)
             plain_mode = img.mode not in _SIXTEEN_BIT_MODES + _ALPHA_MODES + ("F",)
             return orientation in (0, 1) and plain_mode and img.info.get("transparency") is None
     except Exception:  # damaged headers: open_image names the problem when the file is decoded
