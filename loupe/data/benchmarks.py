@@ -225,13 +225,13 @@ def _make_task(data: dict[str, Any], where: str, seen: dict[str, str], id_field:
 def _check_images(task: TaskRecord, root: Path, where: str, field: str = "images", hint: str = "") -> None:
     """Every image path passes the task reader's rule under `root` (`check_image_paths`) and names a file there.
 
-    `field` renames `images.0` to the publisher's column; `hint` is added when a file is missing (a copy one
-    folder off).
+    `field` is the publisher's column for a one-image record (errors name it); `hint` is added when a file is
+    missing (a copy one folder off).
     """
     try:
-        check_image_paths(task, root, where, must_exist=True)
+        check_image_paths(task, root, where, must_exist=True, field_name=None if field == "images" else field)
     except TaskRecordError as err:
-        message = str(err).replace("field 'images.0'", f"field '{field}'") if field != "images" else str(err)
+        message = str(err)
         raise BenchmarkFormatError(message + (hint if message.endswith("does not exist") else "")) from None
 
 

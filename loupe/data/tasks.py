@@ -270,8 +270,11 @@ def decode_utf8(data: bytes, where: str) -> str:
         raise TaskRecordError(f"{where}:{line}: not UTF-8 (byte 0x{data[offset]:02x} at column {column})") from None
 
 
-def check_image_paths(task: TaskRecord, root: str | Path, where: str, must_exist: bool = False) -> list[Path]:
-    """The resolved files of `task.images` under `root`, or TaskRecordError naming `where` and `images.N`.
+def check_image_paths(
+    task: TaskRecord, root: str | Path, where: str, must_exist: bool = False, field_name: str | None = None
+) -> list[Path]:
+    """The resolved files of `task.images` under `root`, or TaskRecordError naming `where` and `images.N`
+    (or `field_name`, a reader's own column for a one-image record).
 
     Refuses absolute paths (a record's paths are relative to its image root), then applies
     `loupe.images.resolve_image_path`: an image suffix, and no escape from `root` by `..` or by a symlink
@@ -279,7 +282,7 @@ def check_image_paths(task: TaskRecord, root: str | Path, where: str, must_exist
     """
     files = []
     for i, image in enumerate(task.images):
-        field = f"images.{i}"
+        field = field_name or f"images.{i}"
         if Path(image).is_absolute():
             raise TaskRecordError(f"{where}: field '{field}': {_short(image)} is an absolute path; image paths "
                                   f"in a record are relative to the image root {root}")
