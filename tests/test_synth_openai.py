@@ -199,11 +199,16 @@ def test_a_repeated_run_is_served_from_the_cache_with_zero_http_calls(responder,
     assert len(samples) == 6 * SAMPLES  # per-sample seeds: the two samples of a task differ
 
 
+def second_shard_questions(responder, synth_tasks_dir: Path) -> set[str]:
+    """The questions the responder knows beyond the first three tasks (the first shard)."""
+    return {q for (q, _) in responder.moves} - {
+        get_protocol("mini_o3").question_text(t).replace("<image>", "") for t in train_tasks(synth_tasks_dir)[:3]}
+
+
 def test_an_interrupted_run_resumes_and_pays_for_no_request_twice(responder, synth_tasks_dir, tmp_path,  # noqa: F811
                                                                   monkeypatch, capsys):
     monkeypatch.setenv(KEY_ENV, KEY)
-    second_shard = {q for (q, _) in responder.moves} - {
-        get_protocol("mini_o3").question_text(t).replace("<image>", "") for t in train_tasks(synth_tasks_dir)[:3]}
+    second_shard = second_shard_questions(responder, synth_tasks_dir)
     with FakeOpenAIServer(responder, api_key=KEY) as server:
         params = teacher_params(tmp_path, server, tmp_path / "cache", max_retries=1)
         out = tmp_path / "out"
@@ -328,8 +333,7 @@ def test_a_rerun_after_a_malformed_reply_pays_only_for_what_is_missing(kind, res
 def test_the_stage_fails_on_malformed_replies_and_a_rerun_resumes(kind, responder, synth_tasks_dir,  # noqa: F811
                                                                   tmp_path, monkeypatch, capsys):
     monkeypatch.setenv(KEY_ENV, KEY)
-    second_shard = {q for (q, _) in responder.moves} - {
-        get_protocol("mini_o3").question_text(t).replace("<image>", "") for t in train_tasks(synth_tasks_dir)[:3]}
+    second_shard = second_shard_questions(responder, synth_tasks_dir)
     with FakeOpenAIServer(responder, api_key=KEY) as server:
         params = teacher_params(tmp_path, server, tmp_path / "cache", max_retries=1)
         out = tmp_path / "out"
