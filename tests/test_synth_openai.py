@@ -199,7 +199,7 @@ def test_a_repeated_run_is_served_from_the_cache_with_zero_http_calls(responder,
     assert len(samples) == 6 * SAMPLES  # per-sample seeds: the two samples of a task differ
 
 
-def second_shard_questions(responder, synth_tasks_dir: Path) -> set[str]:
+def second_shard_questions(responder, synth_tasks_dir: Path) -> set[str]:  # noqa: F811
     """The questions the responder knows beyond the first three tasks (the first shard)."""
     return {q for (q, _) in responder.moves} - {
         get_protocol("mini_o3").question_text(t).replace("<image>", "") for t in train_tasks(synth_tasks_dir)[:3]}
