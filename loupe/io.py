@@ -48,6 +48,13 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, ensure_ascii=False, sort_keys=False) + "\n")
 
 
+def make_readable(folder: Path) -> None:
+    """Ordinary modes for everything under `folder`: transformers and tempfile write private (0600/0700)
+    files and folders, and a container's user or a shared DVC cache must be able to read a saved model."""
+    for path in Path(folder).rglob("*"):
+        os.chmod(path, DIR_MODE if path.is_dir() else FILE_MODE)
+
+
 @contextmanager
 def atomic_directory(final: Path) -> Iterator[Path]:
     """Build a folder under a temporary name beside `final`, then swap it into place in one rename.

@@ -12,7 +12,6 @@ and the images of every row are concatenated in row order, which is how Qwen2-VL
 from __future__ import annotations
 
 import inspect
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,6 +152,25 @@ class TokenContextEngine(Engine):
     def trace(self, state: _State) -> TokenTrace:
         return state.trace
 
+    # --- weights from the learner (loupe.rollout.weight_sync) -------------------------------------------------
+
+    def init_weight_sync(self, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float) -> None:
+        """Join the learner's weight-sync group as `rank` (this engine's first rank)."""
+        raise NotImplementedError(f"the {self.name} engine cannot take weights from a learner")
+
+    def receive_weights(self, manifest: list) -> int:
+        """Receive one broadcast of the policy (`manifest`'s buckets) and load it; returns the tensors loaded."""
+        raise NotImplementedError(f"the {self.name} engine cannot take weights from a learner")
+
+    def weights_format(self) -> tuple[str, str]:
+        """(dtype, device type) of the engine's weights: the learner sends floating tensors in that dtype, and
+        over NCCL when both sides are on CUDA."""
+        raise NotImplementedError
+
+    def weights_digest(self) -> str:
+        """A hash of the engine's weights (tests compare it with the learner's)."""
+        raise NotImplementedError
+
     def _record(self, state: _State, ids: list[int], logprobs: list[float], finish: str) -> Generation:
         state.trace.append(ids, generated=True, logprobs=logprobs)
         state.last_finish = finish
@@ -183,6 +201,34 @@ class TransformersEngine(TokenContextEngine):
         self.image_token_id = getattr(model.config, "image_token_id", None)
         self.types_image_tokens = "mm_token_type_ids" in inspect.signature(model.forward).parameters
         torch.manual_seed(seed)
+        self.sync_group: Any = None
+
+    def init_weight_sync(self, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float) -> None:
+        from loupe.rollout.weight_sync import SyncGroup
+
+        self.sync_group = SyncGroup(host, port, rank, world_size, backend, timeout_s, self.device)
+
+    def receive_weights(self, manifest: list) -> int:
+        from loupe.rollout.weight_sync import load_into_module, receive_weights
+
+        if self.sync_group is None:
+            raise RuntimeError("weight sync: receive_weights before init_weight_sync")
+        return load_into_module(self.model, receive_weights(self.sync_group, manifest))
+
+    def weights_format(self) -> tuple[str, str]:
+        from loupe.rollout.weight_sync import dtype_name
+
+        return dtype_name(self.model.dtype), self.device.type
+
+    def weights_digest(self) -> str:
+        from loupe.rollout.weight_sync import module_digest
+
+        return module_digest(self.model)
+
+    def close(self) -> None:
+        if self.sync_group is not None:
+            self.sync_group.close()
+            self.sync_group = None
 
     def generate(self, states: list[_State], max_new_tokens: int) -> list[Generation]:
         out: list[Generation] = []

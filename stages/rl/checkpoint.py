@@ -2,13 +2,15 @@
 
 A checkpoint is a folder `<out>/checkpoints/step_NNNNNN/` holding
 
-    policy.safetensors   the policy's full weights
-    optimizer.pt         the optimiser's state (AdamW moments, step counts)
-    rng.pt               python, numpy and torch (CPU and CUDA) generator states
+    learner/             the policy and the optimiser (AdamW moments, step counts) as a
+                         torch.distributed.checkpoint folder: each learner rank writes its own shard
+    rng.pt               python, numpy and torch (CPU and CUDA) generator states of the driver
     state.json           step, the prompt stream's position, and the tracking run's facts
 
 It is built under a temporary name and renamed into place (`loupe.io.atomic_directory`), so a kill at any
-moment leaves either the previous checkpoint or the new one, never half of one. `latest_checkpoint` finds
+moment leaves either the previous checkpoint or the new one, never half of one. The learner's ranks write
+their shards into the temporary folder (a filesystem every node shares) and read them back in place on
+resume: no weights or optimiser state pass through the driver (`Learner.save_checkpoint`). `latest_checkpoint` finds
 the newest complete one; older ones beyond `keep` are deleted only after a newer one is complete.
 """
 
@@ -17,12 +19,12 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
 
 from loupe.io import atomic_directory, atomic_write_json
 
@@ -54,20 +56,17 @@ def checkpoint_dir(out_dir: Path, step: int) -> Path:
     return Path(out_dir) / CHECKPOINTS / f"step_{step:06d}"
 
 
+LEARNER_DIR = "learner"
+
+
 def save_checkpoint(
-    out_dir: Path,
-    step: int,
-    policy_state: dict[str, torch.Tensor],
-    optimizer_state: bytes,
-    state: dict[str, Any],
-    keep: int = 2,
+    out_dir: Path, step: int, write_learner: Callable[[Path], None], state: dict[str, Any], keep: int = 2
 ) -> Path:
-    """Write step `step`'s checkpoint atomically, then prune all but the newest `keep`."""
+    """Write step `step`'s checkpoint atomically (`write_learner(folder)` writes the learner's shards), then
+    prune all but the newest `keep`."""
     final = checkpoint_dir(out_dir, step)
     with atomic_directory(final) as tmp:
-        # safetensors refuses tensors that share memory (tied embeddings): store contiguous private copies.
-        save_file({k: v.detach().contiguous().clone() for k, v in policy_state.items()}, str(tmp / "policy.safetensors"))
-        (tmp / "optimizer.pt").write_bytes(optimizer_state)
+        write_learner(tmp / LEARNER_DIR)
         torch.save(rng_state(), tmp / "rng.pt")
         atomic_write_json(tmp / STATE_FILE, {"step": step, **state})
     for old in list_checkpoints(out_dir)[:-keep]:
@@ -89,11 +88,9 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], bytes, dict[str, Any]]:
-    """(policy weights, optimiser state bytes, state.json) of a checkpoint; restores the RNG states too."""
+def load_checkpoint(path: Path) -> tuple[Path, dict[str, Any]]:
+    """(the learner's folder, state.json) of a checkpoint; restores the driver's RNG states too."""
     path = Path(path)
     state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
-    policy = load_file(str(path / "policy.safetensors"))
-    optimizer = (path / "optimizer.pt").read_bytes()
     set_rng_state(torch.load(path / "rng.pt", weights_only=False))
-    return policy, optimizer, state
+    return path / LEARNER_DIR, state

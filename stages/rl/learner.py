@@ -14,15 +14,19 @@ normaliser and is scaled by the rank count, which FSDP's gradient averaging divi
 
 from __future__ import annotations
 
-import io
+import contextlib
 import math
 import time
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from loupe.io import atomic_directory, make_readable
 from loupe.models import load_model, load_processor, resolve_device
+from loupe.rollout.weight_sync import SyncGroup, free_address, send_weights
 from stages.rl.batching import TrainSequence, split_evenly, token_logprobs
 from stages.rl.loss import LossConfig, loss_normaliser, policy_loss
 from stages.rl.params import RLParams
@@ -39,6 +43,16 @@ def shard_model(model: Any, mesh: Any = None) -> Any:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
+
+
+@contextlib.contextmanager
+def _single_process_checkpoint(distributed: bool) -> Iterator[None]:
+    """torch.distributed.checkpoint warns that it assumes one process when no group exists; here that is the
+    intent (the single-process learner), so the warning is silenced for that case only."""
+    with warnings.catch_warnings():
+        if not distributed:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
 
 
 class Learner:
@@ -230,46 +244,74 @@ class Learner:
         else:
             self.model.load_state_dict(state)
 
-    def optimizer_state(self) -> bytes:
-        """The optimiser's state serialised (full, on CPU), for checkpoints."""
+    def save_checkpoint(self, folder: Path) -> None:
+        """Write the policy and optimiser into `folder` with torch.distributed.checkpoint: each rank writes its
+        own shard (no gather, nothing through the driver). All ranks call it with the same absolute folder on a
+        filesystem they share; the trainer renames the enclosing checkpoint folder once every rank is done."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        with _single_process_checkpoint(self.distributed):
+            dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(folder), no_dist=not self.distributed)
+
+    def load_checkpoint(self, folder: Path) -> None:
+        """Load a `save_checkpoint` folder in place: each rank reads its own shard into its own tensors."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        if not (Path(folder) / ".metadata").is_file():
+            raise FileNotFoundError(f"{folder}: not a checkpoint of this version (no torch.distributed.checkpoint .metadata)")
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        with _single_process_checkpoint(self.distributed):
+            dcp.load(state, checkpoint_id=str(folder), no_dist=not self.distributed)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+    # --- weights to the rollout engines (loupe.rollout.weight_sync) ----------------------------------------
+
+    def weight_specs(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """(name, dtype, full shape) of every tensor the engines receive, in the order `send_weights` walks."""
+        return [(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in self.model.state_dict().items()]
+
+    def sync_address(self) -> tuple[str, int]:
+        """Where the weight-sync group meets: this node and a free port (called on rank 0)."""
+        return free_address()
+
+    def init_weight_sync(self, host: str, port: int, world_size: int, backend: str, timeout_s: float) -> None:
+        """Rank 0 joins the weight-sync group as its rank 0, the sender; other ranks only help gather."""
+        self.sync_group = None
+        if self.rank == 0:
+            device = self.device if backend == "nccl" else torch.device("cpu")
+            self.sync_group = SyncGroup(host, port, 0, world_size, backend, timeout_s, device)
+
+    def send_weights(self, manifest: list) -> int:
+        """Broadcast the policy to the engines, bucket by bucket; every rank walks the tensors (sharded ones
+        are gathered collectively), rank 0 sends. Returns the bytes sent."""
+        with torch.no_grad():
+            return send_weights(getattr(self, "sync_group", None), self.model.state_dict().items(), manifest)
+
+    def save_model(self, final: Path, model_path: str | Path) -> None:
+        """Write the policy as a Hugging Face model directory (weights, config, processor) that eval loads.
+
+        The process that writes it renames it into place (rank 0 of a sharded group, after gathering the full
+        weights, which every rank joins): no folder written on one node is renamed from another.
+        """
         if self.distributed:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-            state = get_optimizer_state_dict(
-                self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-            )
-        else:
-            state = self.optimizer.state_dict()
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        return buffer.getvalue()
-
-    def load_optimizer_state(self, data: bytes) -> None:
-        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
-        if self.distributed:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-            set_optimizer_state_dict(
-                self.model, self.optimizer, state, options=StateDictOptions(full_state_dict=True)
-            )
-        else:
-            self.optimizer.load_state_dict(state)
-
-    def save_pretrained(self, out_dir: Path, model_path: str | Path) -> None:
-        """Write the policy as a Hugging Face model directory (weights, config, processor) that eval loads."""
-        if not self.distributed:
-            model = self.model
-        else:  # gather the shards, then rank 0 writes an unsharded copy
             state = self.state_dict()
             if self.rank != 0:
                 return
             from transformers import AutoModelForImageTextToText
 
-            model = AutoModelForImageTextToText.from_pretrained(str(model_path), dtype=self.model.dtype)
+            model = AutoModelForImageTextToText.from_pretrained(str(model_path), dtype=torch.float32)
             model.load_state_dict(state)
-        model.config.use_cache = True  # saved for generation; training keeps it off
-        try:
-            model.save_pretrained(out_dir)
-        finally:
-            self.model.config.use_cache = False
-        load_processor(model_path).save_pretrained(out_dir)
+        else:
+            model = self.model
+        with atomic_directory(Path(final)) as tmp:
+            model.config.use_cache = True  # saved for generation; training keeps it off
+            try:
+                model.save_pretrained(tmp)
+            finally:
+                self.model.config.use_cache = False
+            load_processor(model_path).save_pretrained(tmp)
+            make_readable(tmp)

@@ -118,6 +118,11 @@ class RLParams(Section):
     """AdamW betas."""
     max_grad_norm: float = Field(1.0, gt=0)
     """Gradients are clipped to this global norm before each optimiser step."""
+    sync_bucket_mb: int = Field(256, ge=1)
+    """Weight sync to the rollout engines: largest broadcast bucket in MiB. Each bucket is one message over the
+    weight-sync group (NCCL on GPU, gloo on CPU) and bounds the extra memory either side holds while syncing."""
+    sync_timeout_s: float = Field(600.0, gt=0)
+    """Seconds a weight-sync collective may wait for a peer before it fails (a dead rollout worker or learner)."""
     learner_device: str = "auto"
     """Torch device of the single-process learner: auto (cuda when present), cpu, cuda:N."""
     attn_implementation: str | None = None

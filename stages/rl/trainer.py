@@ -9,7 +9,7 @@ Each step:
 4. builds the learner's sequences: only model-generated tokens are trained, none of an over-turn trajectory
    when masking is on, none of one whose reward is invalid (a judge outage is not a wrong answer);
 5. recomputes old log-probs (or takes the sampler's), reference log-probs when KL is on, advantages;
-6. runs the PPO epochs and sends the new weights to the workers;
+6. runs the PPO epochs and broadcasts the new weights to the rollout engines (loupe.rollout.weight_sync);
 7. logs a row of metrics (MLflow, metrics.jsonl), validates on the val split every `val_every` steps through
    the eval stage's metrics, writes an HTML page of sampled trajectories every `sample_trajectories_every`
    steps, and checkpoints every `checkpoint_every` steps.
@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from loupe.config import ProtocolParams, RolloutParams, load_section, load_seed
 from loupe.data.tasks import TaskRecord, read_tasks
-from loupe.io import DIR_MODE, FILE_MODE, atomic_directory, atomic_write_json
+from loupe.io import atomic_write_json
 from loupe.tracking import NullRun, StageRun
 from loupe.trajectory import Trajectory
 from loupe.viewer import render_html
@@ -217,18 +217,30 @@ class Trainer:
             self.learner: Any = LearnerGroup(str(i.model_path), p, i.rollout.temperature, i.generation_budget, p.learner_ranks)
         else:
             self.learner = Learner(i.model_path, p, i.rollout.temperature, i.generation_budget)
+        self._connect_weights()
         found = ckpt.latest_checkpoint(self.out_dir)
         if found is not None:
-            policy, optimizer, state = ckpt.load_checkpoint(found)
-            self.learner.load_state_dict(policy)
-            self.learner.load_optimizer_state(optimizer)
-            self.workers.load_weights(policy)
+            learner_dir, state = ckpt.load_checkpoint(found)
+            self.learner.load_checkpoint(learner_dir)
+            self.workers.sync_weights(self.learner, self.manifest)
             self.step = int(state["step"])
             self.stream.position = int(state["stream_position"])
             self.log.truncate(self.step)
             self.run.set_tags({"rl.resumed_from_step": self.step})
         else:
             self.log.truncate(0)
+
+    def _connect_weights(self) -> None:
+        """Form the weight-sync group (learner rank 0 + one rank per rollout engine) and plan its buckets."""
+        from loupe.rollout.weight_sync import dtype_from_name, plan_manifest
+
+        p = self.params
+        dtype, engine_device = self.workers.weights_format()
+        self.manifest = plan_manifest(self.learner.weight_specs(), dtype_from_name(dtype), p.sync_bucket_mb << 20)
+        # A sharded learner always runs on GPUs; a single one wherever it was put.
+        learner_on_gpu = p.learner_ranks > 1 or str(self.learner.device).startswith("cuda")
+        backend = "nccl" if learner_on_gpu and engine_device == "cuda" else "gloo"
+        self.workers.connect_weights(self.learner, 1 + p.ray.num_workers, backend, p.sync_timeout_s)
 
     def _stop(self) -> None:
         for part in ("workers", "learner"):
@@ -307,7 +319,7 @@ class Trainer:
                 s.advantage = float(a)
             update = self.learner.update(trained)
             sync_started = time.perf_counter()
-            self.workers.load_weights(self.learner.state_dict())
+            timing["sync_bytes"] = self.workers.sync_weights(self.learner, self.manifest)
             timing["sync"] = time.perf_counter() - sync_started
         else:
             update = {"skipped_update": 1.0}
@@ -342,9 +354,9 @@ class Trainer:
 
     def validate(self, step: int) -> dict[str, Any]:
         i, p = self.inputs, self.params
-        trajectories = self.workers.rollout_on_first(
-            i.val, p.val_samples, derive_seed(i.seed, step, VAL_SEED_TAG), i.max_turns, i.rollout.max_new_tokens
-        )
+        # Spread over every rollout worker, each with its own stream.
+        seeds = [derive_seed(i.seed, step, VAL_SEED_TAG, w) for w in range(p.ray.num_workers)]
+        trajectories, _ = self.workers.rollout(i.val, p.val_samples, seeds, i.max_turns, i.rollout.max_new_tokens)
         for t, rewards in zip(trajectories, self.reward.score(trajectories)):
             t.rewards = rewards
         summary = summarize(trajectories, [i.max_turns])
@@ -363,9 +375,7 @@ class Trainer:
 
     def _checkpoint(self, step: int) -> None:
         state = {"stream_position": self.stream.position, "seed": self.inputs.seed}
-        ckpt.save_checkpoint(
-            self.out_dir, step, self.learner.state_dict(), self.learner.optimizer_state(), state, self.params.keep_checkpoints
-        )
+        ckpt.save_checkpoint(self.out_dir, step, self.learner.save_checkpoint, state, self.params.keep_checkpoints)
 
     def _due(self, every: int, step: int) -> bool:
         return bool(every) and (step % every == 0 or step == self.params.steps)
@@ -393,9 +403,7 @@ class Trainer:
                 bar.set_postfix(reward=_fmt(row.get("reward/mean")), acc=_fmt(row.get("reward/accuracy")))
                 bar.update(1)
             bar.close()
-            with atomic_directory(self.out_dir / "model") as tmp:
-                self.learner.save_pretrained(tmp, self.inputs.model_path)
-                _readable(tmp)
+            self.learner.save_model(self.out_dir / "model", self.inputs.model_path)
             if self.last_batch or not (self.out_dir / "viewer.html").exists():
                 render_html(self.last_batch, self.out_dir / "viewer.html", title=f"rl step {self.step}",
                             max_trajectories=p.viewer_trajectories)
@@ -425,13 +433,6 @@ class Trainer:
             "mean_step_seconds": mean(r["time/step"] for r in train) if train else None,
             "seconds_this_run": round(seconds, 2),
         }
-
-
-def _readable(folder: Path) -> None:
-    """Ordinary modes for the saved model: transformers writes the weights through a private (0600) temporary
-    file, and a container's user or a shared DVC cache must be able to read them."""
-    for path in folder.rglob("*"):
-        path.chmod(DIR_MODE if path.is_dir() else FILE_MODE)
 
 
 def _fmt(value: float | None) -> str:

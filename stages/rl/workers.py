@@ -3,8 +3,9 @@
 - `RolloutWorker` owns one rollout engine (`loupe.rollout.make_engine`: transformers on CPU, vLLM on GPU) and
   runs the shared multi-turn loop (`loupe.rollout.run_rollouts`) on its share of a step's prompts. Before each
   rollout it reseeds torch from (seed, step, try, worker), so rollouts are a function of the weights and the
-  seed. `load_weights` takes the learner's full state dict after each update; on Ray it arrives through the
-  object store (one `ray.put`, every worker reads the same object).
+  seed. After each update its engine receives the learner's weights by broadcast over the weight-sync group
+  (`loupe.rollout.weight_sync`): `WorkerSet.sync_weights` starts the receivers and the learner's send together;
+  no tensor passes through the driver or the object store.
 - `RewardPool` scores finished trajectories with `loupe.rewards.score_trajectory` (or a custom function):
   rules inline, LLM-judge calls on a thread pool so they overlap, answers cached by the judge.
 - `LearnerGroup` runs one `Learner` per GPU under a torch.distributed process group (NCCL on GPU, gloo on
@@ -21,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
-import socket
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -30,8 +30,14 @@ import torch
 
 from loupe.config import ProtocolParams, RolloutParams
 from loupe.data.tasks import TaskRecord
-from loupe.rewards import RewardConfig, build_judge, load_custom_reward, score_trajectory
+from loupe.rewards import (
+    RewardConfig,
+    build_judge,
+    load_custom_reward,
+    score_trajectory,
+)
 from loupe.rollout import Engine, RolloutStats, make_engine, run_rollouts
+from loupe.rollout.weight_sync import free_address
 from loupe.trajectory import Trajectory
 from stages.rl.batching import split_evenly
 from stages.rl.params import RayParams, RLParams
@@ -94,19 +100,19 @@ class RolloutWorker:
         )
         return trajectories, stats
 
-    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """Take the learner's latest weights."""
-        engine = self.engine
-        if engine.name == "vllm":
-            # vLLM 0.33: every model worker loads the named tensors; cached prefixes were computed with the
-            # old weights and must go. GPU-only path (tests marked gpu).
-            def _load(worker: Any, items: list[tuple[str, torch.Tensor]]) -> None:
-                worker.model_runner.model.load_weights(weights=items)
+    # Weights arrive by broadcast from the learner (loupe.rollout.weight_sync): the driver only starts the calls.
 
-            engine.llm.collective_rpc(_load, args=(list(state.items()),))
-            engine.llm.reset_prefix_cache()
-            return
-        engine.model.load_state_dict(state)
+    def init_weight_sync(self, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float) -> None:
+        self.engine.init_weight_sync(host, port, rank, world_size, backend, timeout_s)
+
+    def receive_weights(self, manifest: list) -> int:
+        return self.engine.receive_weights(manifest)
+
+    def weights_format(self) -> tuple[str, str]:
+        return self.engine.weights_format()
+
+    def weights_digest(self) -> str:
+        return self.engine.weights_digest()
 
     def close(self) -> None:
         self.engine.close()
@@ -188,11 +194,27 @@ class WorkerSet:
             self.workers = [RolloutWorker(*args, index=i) for i in range(params.ray.num_workers)]
 
     def _call(self, calls: list[tuple[Any, str, tuple]]) -> list[Any]:
+        return self._finish(self._start(calls))
+
+    def _start(self, calls: list[tuple[Any, str, tuple]]) -> list[Any]:
+        """Start the calls without waiting (Ray futures, or threads in-process): the weight sync needs the
+        workers receiving while the learner sends."""
+        if self.use_ray:
+            return [getattr(worker, method).remote(*args) for worker, method, args in calls]
+        if len(calls) == 1 and calls[0][1] not in _CONCURRENT:
+            worker, method, args = calls[0]
+            return [_Done(getattr(worker, method)(*args))]
+        pool = ThreadPoolExecutor(max_workers=len(calls), thread_name_prefix="rollout-worker")
+        futures = [pool.submit(getattr(worker, method), *args) for worker, method, args in calls]
+        pool.shutdown(wait=False)
+        return futures
+
+    def _finish(self, pending: list[Any]) -> list[Any]:
         if self.use_ray:
             import ray
 
-            return ray.get([getattr(worker, method).remote(*args) for worker, method, args in calls])
-        return [getattr(worker, method)(*args) for worker, method, args in calls]
+            return ray.get(pending)
+        return [p.result() for p in pending]
 
     def rollout(
         self, tasks: list[TaskRecord], samples: int, seeds: list[int], max_turns: int, max_new_tokens: int
@@ -210,21 +232,31 @@ class WorkerSet:
                 setattr(total, field.name, getattr(total, field.name) + getattr(stats, field.name))
         return trajectories, total
 
-    def rollout_on_first(
-        self, tasks: list[TaskRecord], samples: int, seed: int, max_turns: int, max_new_tokens: int
-    ) -> list[Trajectory]:
-        """All of `tasks` on worker 0 (validation)."""
-        [(trajectories, _)] = self._call([(self.workers[0], "rollout", (tasks, samples, seed, max_turns, max_new_tokens))])
-        return trajectories
+    def weights_format(self) -> tuple[str, str]:
+        """(dtype, device type) of the rollout engines' weights (worker 0's; every worker runs the same engine)."""
+        return tuple(self._call([(self.workers[0], "weights_format", ())])[0])  # type: ignore[return-value]
 
-    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        if self.use_ray:
-            import ray
+    def weights_digests(self) -> list[str]:
+        return self._call([(w, "weights_digest", ()) for w in self.workers])
 
-            ref = ray.put(state)  # one copy in the object store, read by every worker on this node
-            self._call([(w, "load_weights", (ref,)) for w in self.workers])
-        else:
-            self._call([(w, "load_weights", (state,)) for w in self.workers])
+    def connect_weights(self, learner: Any, world_size: int, backend: str, timeout_s: float) -> None:
+        """Form the weight-sync group: the learner's rank 0 as rank 0, worker i as rank 1 + i."""
+        host, port = learner.sync_address()
+        pending = self._start(
+            [(w, "init_weight_sync", (host, port, 1 + i, world_size, backend, timeout_s)) for i, w in enumerate(self.workers)]
+        )
+        learner.init_weight_sync(host, port, world_size, backend, timeout_s)
+        self._finish(pending)
+
+    def sync_weights(self, learner: Any, manifest: list) -> int:
+        """The learner's weights to every worker by broadcast; returns the bytes sent."""
+        pending = self._start([(w, "receive_weights", (manifest,)) for w in self.workers])
+        sent = learner.send_weights(manifest)
+        loaded = self._finish(pending)
+        expected = sum(len(bucket) for bucket in manifest)
+        if any(count != expected for count in loaded):
+            raise RuntimeError(f"weight sync: workers loaded {loaded} tensors, the manifest holds {expected}")
+        return sent
 
     def close(self) -> None:
         if self.use_ray:
@@ -235,6 +267,20 @@ class WorkerSet:
         else:
             for worker in self.workers:
                 worker.close()
+
+
+_CONCURRENT = ("init_weight_sync", "receive_weights")
+"""Worker methods that block until the learner joins: run in threads even for a single in-process worker."""
+
+
+class _Done:
+    """An already-finished call, shaped like a future."""
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def result(self) -> Any:
+        return self.value
 
 
 class RewardService:
@@ -268,20 +314,6 @@ class RewardService:
 
 
 # --- the sharded learner -----------------------------------------------------------------------------------
-
-
-def free_address() -> tuple[str, int]:
-    """This node's address and a free TCP port, for the process group's rendezvous."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        port = sock.getsockname()[1]
-    try:
-        import ray
-
-        host = ray.util.get_node_ip_address()
-    except (ImportError, RuntimeError, OSError):  # not inside Ray: a single-node group
-        host = "127.0.0.1"
-    return host, port
 
 
 class LearnerRank:
@@ -366,17 +398,31 @@ class LearnerGroup:
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self._all("state_dict")[0]
 
+    def weight_specs(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        return self._all("weight_specs")[0]
+
+    def sync_address(self) -> tuple[str, int]:
+        import ray
+
+        return ray.get(self.ranks[0].address.remote())
+
+    def init_weight_sync(self, host: str, port: int, world_size: int, backend: str, timeout_s: float) -> None:
+        self._all("init_weight_sync", same=(host, port, world_size, backend, timeout_s))
+
+    def send_weights(self, manifest: list) -> int:
+        return self._all("send_weights", same=(manifest,))[0]
+
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self._all("load_state_dict", same=(state,))
 
-    def optimizer_state(self) -> bytes:
-        return self._all("optimizer_state")[0]
+    def save_checkpoint(self, folder: Path) -> None:
+        self._all("save_checkpoint", same=(folder,))
 
-    def load_optimizer_state(self, data: bytes) -> None:
-        self._all("load_optimizer_state", same=(data,))
+    def load_checkpoint(self, folder: Path) -> None:
+        self._all("load_checkpoint", same=(folder,))
 
-    def save_pretrained(self, out_dir: Path, model_path: str | Path) -> None:
-        self._all("save_pretrained", same=(out_dir, model_path))
+    def save_model(self, final: Path, model_path: str | Path) -> None:
+        self._all("save_model", same=(final, model_path))
 
     def close(self) -> None:
         import ray

@@ -18,7 +18,7 @@ import os
 import shutil
 from pathlib import Path
 
-from loupe.io import atomic_directory, atomic_write_json
+from loupe.io import atomic_directory, atomic_write_json, make_readable
 from stages.sft import llamafactory_config, runner
 
 TRAINING_RECORDS = {
@@ -65,12 +65,6 @@ def restore_use_cache(model_dir: Path) -> None:
         generation = json.loads(generation_path.read_text(encoding="utf-8"))
         generation["use_cache"] = True
         atomic_write_json(generation_path, generation)
-
-
-def make_readable(model_dir: Path) -> None:
-    for path in Path(model_dir).iterdir():
-        if path.is_file():
-            os.chmod(path, 0o644)
 
 
 def check_model_dir(model_dir: Path) -> None:

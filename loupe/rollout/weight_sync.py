@@ -1,0 +1,255 @@
+"""Weights from the learner to the rollout engines: bucketed broadcasts over a process group of their own.
+
+After each update the learner's rank 0 broadcasts the policy's tensors, cast to the engines' dtype, packed in
+byte buckets of at most `bucket_bytes`, over a torch.distributed group that joins it and every rollout
+engine (rank 0 the learner, ranks 1.. the engines; NCCL on GPU, gloo on CPU). Nothing crosses the driver or
+Ray's object store per step: the driver only starts the two sides' calls, and the tensors travel learner ->
+engine directly. The same code runs on a laptop (gloo, the transformers engine) and on a cluster (NCCL, vLLM).
+
+- The group is made from a `TCPStore` and a `ProcessGroupGloo`/`ProcessGroupNCCL` object, not with
+  `init_process_group`, so it lives beside the learner's own FSDP group (the default group) and vLLM's
+  tensor-parallel groups without touching either. That is the idea of vLLM's `StatelessProcessGroup` in
+  `vllm/distributed/utils.py` (used by `examples/offline_inference/rlhf_utils.py`,
+  `stateless_init_process_group`) and of OpenRLHF's `init_process_group` in
+  `openrlhf/utils/distributed_util.py`; torch's own classes keep it independent of vLLM, so the
+  transformers engine (no vLLM installed) joins the same way.
+- The payload layout, the `manifest`, is plain lists (`[[name, dtype, shape], ...]` per bucket): vLLM's V1
+  engine runs its workers in other processes and sends `collective_rpc` arguments through its msgpack encoder,
+  which takes no closures and no tensors (`vllm/v1/serial_utils.py`). Both sides derive the byte offsets from
+  the manifest with the one function `bucket_layout`.
+- vLLM receives through `VLLMWeightSyncExtension`, passed to `vllm.LLM` as `worker_extension_cls` (vLLM mixes
+  it into its worker class; `collective_rpc` calls its methods by name), and hands the tensors to the model's
+  own `load_weights`, which maps Hugging Face names to vLLM's fused layers (as verl's and OpenRLHF's vLLM
+  workers do: `openrlhf/trainer/ray/vllm_worker_wrap.py`, `WorkerWrap.update_weight`).
+
+A bucket is one broadcast: fewer, larger messages are what make NCCL fast, and a bucket bounds the extra memory
+either side holds (the learner's cast copies, the engine's receive buffer) to `bucket_bytes`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import socket
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+ALIGNMENT = 16
+"""Byte alignment of each tensor inside a bucket, so a uint8 slice can be viewed as any dtype."""
+
+DEFAULT_BUCKET_BYTES = 256 << 20
+"""Largest bucket: one broadcast and the receive buffer's size."""
+
+Manifest = list[list[list[Any]]]
+"""Buckets, each a list of `[name, dtype name, shape]` in broadcast order (msgpack-safe plain lists)."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'bfloat16' for torch.bfloat16: how a dtype travels in a manifest."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"weight sync: unknown dtype {name!r} in the manifest")
+    return dtype
+
+
+def _nbytes(dtype: str, shape: list[int]) -> int:
+    count = 1
+    for size in shape:
+        count *= int(size)
+    return count * dtype_from_name(dtype).itemsize
+
+
+def _aligned(offset: int) -> int:
+    return (offset + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+def bucket_layout(bucket: list[list[Any]]) -> tuple[list[int], int]:
+    """Byte offset of each entry of a bucket, and the bucket's size: the one layout both sides use."""
+    offsets, offset = [], 0
+    for _, dtype, shape in bucket:
+        offset = _aligned(offset)
+        offsets.append(offset)
+        offset += _nbytes(dtype, shape)
+    return offsets, _aligned(offset)
+
+
+def plan_manifest(
+    specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]], sync_dtype: torch.dtype, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> Manifest:
+    """Buckets for tensors given as (name, dtype, shape), in order; floating tensors travel as `sync_dtype`.
+
+    A tensor larger than `bucket_bytes` gets a bucket of its own.
+    """
+    buckets: Manifest = [[]]
+    used = 0
+    for name, dtype, shape in specs:
+        wire = sync_dtype if dtype.is_floating_point else dtype
+        entry = [str(name), dtype_name(wire), [int(s) for s in shape]]
+        size = _aligned(_nbytes(entry[1], entry[2]))
+        if buckets[-1] and used + size > bucket_bytes:
+            buckets.append([])
+            used = 0
+        buckets[-1].append(entry)
+        used += size
+    return [b for b in buckets if b]
+
+
+def manifest_names(manifest: Manifest) -> list[str]:
+    return [entry[0] for bucket in manifest for entry in bucket]
+
+
+def free_address() -> tuple[str, int]:
+    """This node's address (as Ray sees it, else loopback) and a free TCP port: a rendezvous for a group whose
+    rank 0 runs here."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        port = sock.getsockname()[1]
+    try:
+        import ray
+
+        host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+    except (ImportError, RuntimeError, OSError):
+        host = "127.0.0.1"
+    return host, port
+
+
+class SyncGroup:
+    """This process's membership of the weight-sync group: rank 0 sends, every other rank receives."""
+
+    def __init__(
+        self, host: str, port: int, rank: int, world_size: int, backend: str = "gloo", timeout_s: float = 600.0,
+        device: torch.device | str = "cpu",
+    ):
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"weight sync: backend {backend!r}; use gloo (CPU) or nccl (GPU)")
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.rank, self.world_size, self.backend = rank, world_size, backend
+        self.device = torch.device(device)
+        # The learner (rank 0) serves the rendezvous store; it never waits for the others here, the process
+        # group's own connection step does.
+        store = torch.distributed.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+        store = torch.distributed.PrefixStore("loupe-weight-sync", store)
+        if backend == "nccl":
+            self.group: Any = torch.distributed.ProcessGroupNCCL(store, rank, world_size)
+        else:
+            self.group = torch.distributed.ProcessGroupGloo(store, rank, world_size, timeout)
+        self._store = store  # the store must outlive the group
+
+    def broadcast(self, buffer: torch.Tensor) -> None:
+        self.group.broadcast(buffer, 0).wait()
+
+    def close(self) -> None:
+        # A ProcessGroup object shuts its connections down when it is collected; drop every reference.
+        self.group = None
+        self._store = None
+
+
+def send_weights(group: SyncGroup | None, tensors: Iterable[tuple[str, torch.Tensor]], manifest: Manifest) -> int:
+    """Broadcast `tensors` (in manifest order) bucket by bucket from rank 0; returns the bytes sent.
+
+    `group` is None on learner ranks other than 0: they still walk the tensors, because gathering a sharded
+    tensor (`DTensor.full_tensor`) is a collective every learner rank joins, but send nothing.
+    """
+    iterator = iter(tensors)
+    sent = 0
+    for bucket in manifest:
+        offsets, size = bucket_layout(bucket)
+        buffer = None
+        if group is not None:
+            buffer = torch.empty(size, dtype=torch.uint8, device=group.device)
+        for (name, dtype, shape), offset in zip(bucket, offsets):
+            found, tensor = next(iterator)
+            if found != name:
+                raise ValueError(f"weight sync: the manifest expects {name!r} next, the learner gave {found!r}")
+            if hasattr(tensor, "full_tensor"):  # an FSDP2 shard: gather the whole tensor (all learner ranks)
+                tensor = tensor.full_tensor()
+            if buffer is None:
+                continue
+            if list(tensor.shape) != shape:
+                raise ValueError(f"weight sync: {name} has shape {list(tensor.shape)}, the manifest says {shape}")
+            nbytes = _nbytes(dtype, shape)
+            target = buffer[offset : offset + nbytes].view(dtype_from_name(dtype)).view(shape)
+            target.copy_(tensor.detach())
+        if group is not None and buffer is not None:
+            group.broadcast(buffer)
+            sent += size
+    return sent
+
+
+def receive_weights(group: SyncGroup, manifest: Manifest) -> Iterator[tuple[str, torch.Tensor]]:
+    """Receive the buckets in order and yield each tensor as a view of its bucket (copy before the next).
+
+    A generator, so a consumer such as vLLM's `load_weights` holds one bucket at a time.
+    """
+    for bucket in manifest:
+        offsets, size = bucket_layout(bucket)
+        buffer = torch.empty(size, dtype=torch.uint8, device=group.device)
+        group.broadcast(buffer)
+        for (name, dtype, shape), offset in zip(bucket, offsets):
+            yield name, buffer[offset : offset + _nbytes(dtype, shape)].view(dtype_from_name(dtype)).view(shape)
+
+
+def load_into_module(module: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Copy named tensors into a Hugging Face module's parameters and buffers by state-dict name; returns the
+    count. Every name must exist: a model of another architecture fails here rather than silently."""
+    targets = module.state_dict(keep_vars=True)
+    count = 0
+    with torch.no_grad():
+        for name, tensor in weights:
+            target = targets.get(name)
+            if target is None:
+                raise KeyError(f"weight sync: the rollout model has no tensor {name!r}")
+            target.data.copy_(tensor)
+            count += 1
+    return count
+
+
+def module_digest(module: torch.nn.Module) -> str:
+    """A hash of a module's weights (tests compare learner and engine with it)."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+class VLLMWeightSyncExtension:
+    """Mixed into each vLLM worker (`LLM(worker_extension_cls="loupe.rollout.weight_sync.VLLMWeightSyncExtension")`).
+
+    vLLM's `collective_rpc(name, args=...)` calls these methods by name in every worker process; the arguments
+    are strings, numbers and lists, which its msgpack encoder carries as they are. `self.device` and
+    `self.model_runner` are the worker's own (vLLM's `vllm/v1/worker/gpu_worker.py`, `Worker`).
+    """
+
+    def init_weight_sync(self, host: str, port: int, rank_offset: int, world_size: int, backend: str, timeout_s: float) -> None:
+        """Join the learner's weight-sync group as rank `rank_offset` + this worker's rank in its engine."""
+        try:
+            from vllm.distributed.parallel_state import get_world_group
+
+            local_rank = get_world_group().rank
+        except (ImportError, AssertionError):  # no vLLM world group (a test harness): one worker per engine
+            local_rank = 0
+        device = getattr(self, "device", "cpu")
+        self.loupe_sync_group = SyncGroup(host, port, rank_offset + local_rank, world_size, backend, timeout_s, device)
+
+    def receive_weights(self, manifest: Manifest) -> int:
+        """Receive one broadcast of the policy and load it into the model; returns the tensors loaded."""
+        loaded = 0
+
+        def counted() -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal loaded
+            for item in receive_weights(self.loupe_sync_group, manifest):
+                loaded += 1
+                yield item
+
+        self.model_runner.model.load_weights(weights=counted())  # type: ignore[attr-defined]
+        return loaded
+
+    def weights_digest(self) -> str:
+        return module_digest(self.model_runner.model)  # type: ignore[attr-defined]

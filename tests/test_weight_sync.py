@@ -1,0 +1,114 @@
+"""Weights from the learner to the rollout engines by bucketed broadcast (loupe.rollout.weight_sync), on gloo.
+
+The learner's rank 0 and the engines form a process group of their own; here the engines run in threads of
+this process (gloo connects them over loopback like separate processes), and through Ray actors in
+tests/test_rl_stage.py and tests/test_rl_cluster.py.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+
+import pytest
+import torch
+from rl_helpers import one_torch_thread  # noqa: F401 (autouse fixture)
+
+from loupe.config import ProtocolParams, RolloutParams
+from loupe.rollout import make_engine
+from loupe.rollout.weight_sync import (
+    ALIGNMENT,
+    SyncGroup,
+    bucket_layout,
+    free_address,
+    load_into_module,
+    manifest_names,
+    module_digest,
+    plan_manifest,
+    receive_weights,
+    send_weights,
+)
+from stages.rl.learner import Learner
+from stages.rl.params import RLParams
+
+
+def test_manifest_buckets_respect_the_size_and_keep_order():
+    specs = [(f"w{i}", torch.float32, (10, 10)) for i in range(10)] + [("big", torch.float32, (100, 100)), ("step", torch.int64, (1,))]
+    manifest = plan_manifest(specs, torch.bfloat16, bucket_bytes=700)
+    assert manifest_names(manifest) == [name for name, _, _ in specs]
+    for bucket in manifest:
+        offsets, size = bucket_layout(bucket)
+        assert all(offset % ALIGNMENT == 0 for offset in offsets)
+        assert size <= 700 or len(bucket) == 1  # only a tensor larger than a bucket gets one of its own
+    entries = {name: (dtype, shape) for bucket in manifest for name, dtype, shape in bucket}
+    assert entries["w0"] == ("bfloat16", [10, 10])  # floating tensors travel in the engine's dtype
+    assert entries["step"] == ("int64", [1])  # others keep theirs
+    # Plain lists of str/int: what vLLM's msgpack encoder carries unchanged (and pickle, trivially).
+    assert pickle.loads(pickle.dumps(manifest)) == manifest
+    assert all(isinstance(x, (str, list)) for b in manifest for e in b for x in e)
+
+
+def _broadcast(sender_state, receivers, manifest, backend="gloo"):
+    host, port = free_address()
+    world = 1 + len(receivers)
+    loaded, errors = [0] * len(receivers), []
+
+    def receive(i, module):
+        try:
+            group = SyncGroup(host, port, 1 + i, world, backend, 60)
+            loaded[i] = load_into_module(module, receive_weights(group, manifest))
+        except Exception as err:  # noqa: BLE001 (reported below)
+            errors.append(err)
+
+    threads = [threading.Thread(target=receive, args=(i, m)) for i, m in enumerate(receivers)]
+    for t in threads:
+        t.start()
+    group = SyncGroup(host, port, 0, world, backend, 60)
+    sent = send_weights(group, sender_state.items(), manifest)
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    return sent, loaded
+
+
+def test_learner_weights_reach_two_engines_exactly(tiny_model_dir):
+    learner = Learner(tiny_model_dir, RLParams(lr=0.05), 1.0, generation_budget=4, device="cpu")
+    with torch.no_grad():  # weights the engines do not have yet
+        for p in learner.model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    engines = [make_engine(RolloutParams(device="cpu"), ProtocolParams(), model_path=str(tiny_model_dir)) for _ in range(2)]
+    assert all(e.weights_digest() != module_digest(learner.model) for e in engines)
+    manifest = plan_manifest(learner.weight_specs(), torch.float32, bucket_bytes=64 << 10)
+    assert len(manifest) > 1  # several buckets, so the bucket walk is exercised
+    sent, loaded = _broadcast(learner.model.state_dict(), [e.model for e in engines], manifest)
+    assert loaded == [len(manifest_names(manifest))] * 2
+    assert sent >= sum(p.numel() * 4 for p in learner.model.parameters())
+    assert [e.weights_digest() for e in engines] == [module_digest(learner.model)] * 2
+
+
+def test_bf16_sync_rounds_like_a_cast(tiny_model_dir):
+    learner = Learner(tiny_model_dir, RLParams(), 1.0, generation_budget=4, device="cpu")
+    engine = make_engine(RolloutParams(device="cpu"), ProtocolParams(), model_path=str(tiny_model_dir))
+    with torch.no_grad():
+        for p in learner.model.parameters():
+            p.add_(torch.randn_like(p) * 1e-2)
+    manifest = plan_manifest(learner.weight_specs(), torch.bfloat16)
+    sent, _ = _broadcast(learner.model.state_dict(), [engine.model], manifest)
+    expected = {k: v.to(torch.bfloat16).float() for k, v in learner.model.state_dict().items()}
+    for name, tensor in engine.model.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+    assert sent < sum(p.numel() * 4 for p in learner.model.parameters())  # half the fp32 bytes, give or take
+
+
+def test_a_manifest_that_does_not_match_the_learner_fails_by_name(tiny_model_dir):
+    learner = Learner(tiny_model_dir, RLParams(), 1.0, generation_budget=4, device="cpu")
+    specs = learner.weight_specs()
+    manifest = plan_manifest([specs[1], specs[0], *specs[2:]], torch.float32)
+    with pytest.raises(ValueError, match="the manifest expects"):
+        send_weights(None, learner.model.state_dict().items(), manifest)
+
+
+def test_an_engine_of_another_architecture_is_refused(tiny_model_dir):
+    module = torch.nn.Linear(2, 2)
+    with pytest.raises(KeyError, match="no tensor 'model.language_model"):
+        load_into_module(module, [("model.language_model.embed_tokens.weight", torch.zeros(2, 2))])
