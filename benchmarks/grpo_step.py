@@ -5,12 +5,20 @@ The step is the rl stage's own code: a `RolloutWorker` rolls out `--prompts` syn
 and a `Learner` recomputes old log-probs and runs the update. Each part's wall time and peak memory is
 printed (CUDA: peak allocated; CPU: peak resident set size sampled every 2 ms, above the level at its start).
 
+Then the weight sync: the updated policy goes to `--sync-workers` rollout workers the stage's way (a
+`WorkerSet` whose engines join the learner's weight-sync group and receive bucketed broadcasts, gloo on CPU;
+the workers run in threads here, Ray actors in the stage), against the route the stage used before (the full
+state dict copied, serialised as Ray's object store would, and loaded by each worker), both measured in this
+run. The same comparison is repeated on a slice of a Qwen2.5-VL-7B-shaped state dict (the embedding and
+`--slice-layers` decoder layers at 7B's sizes, random, float32 on the learner, bfloat16 on the wire), whose
+bytes per second give the full 7B model's sync time by proportion.
+
 Then the same batch is updated again from the same starting weights with `batching: packed` and with
 `batching: padded`, `--repeats` times each (median), and the ratio padded/packed is printed, with the tokens
 each layout computes (padding included).
 
     python benchmarks/grpo_step.py [--model DIR] [--prompts 4] [--samples 4] [--max-new-tokens 32]
-                                   [--threads 1] [--device cpu]
+                                   [--threads 1] [--device cpu] [--sync-workers 2] [--slice-layers 2]
 
 Without --model the tiny model is built in a temporary folder. Not a test: a measurement.
 """
@@ -36,7 +44,10 @@ from stages.rl.advantages import compute_advantages
 from stages.rl.learner import Learner
 from stages.rl.params import RLParams
 from stages.rl.trainer import to_sequence
-from stages.rl.workers import RewardPool, RolloutWorker
+from stages.rl.workers import RewardPool, RolloutWorker, WorkerSet
+
+QWEN25_VL_7B = {"vocab": 152064, "hidden": 3584, "intermediate": 18944, "layers": 28, "kv_heads": 4, "head_dim": 128}
+"""The text model's sizes from Qwen2.5-VL-7B-Instruct's config.json (the vision tower adds about 0.7 B)."""
 
 
 def _rss_bytes() -> int:
@@ -96,6 +107,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest on a shared 2-core CPU)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sync-workers", type=int, default=2, help="rollout workers receiving the weight sync")
+    parser.add_argument("--slice-layers", type=int, default=2, help="7B-shaped decoder layers in the sync slice (-1: skip)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"device {args.device}, torch threads {torch.get_num_threads()}, {args.prompts} prompts x {args.samples} samples, "
@@ -138,7 +151,10 @@ def main() -> None:
             learner.update(sequences)
         total = sum(seconds for seconds, _ in report.values())
         print(f"{'step total':>24}: {total:7.3f} s; rollout {stats.generated_tokens} generated tokens "
-              f"({stats.generated_tokens / report['rollout'][0]:.0f} tok/s), {stats.turns} turns")
+              f"({stats.generated_tokens / report['rollout'][0]:.0f} tok/s), {stats.turns} turns; "
+              f"learner peak +{report['update (recompute+ppo)'][1]:.1f} MB")
+        sync_tiny(learner, model_dir, rollout, protocol, data, params, args)
+        sync_slice(args)
 
         lengths = [len(s) for s in sequences]
         micro = [lengths[i : i + args.micro_batch_size] for i in range(0, len(lengths), args.micro_batch_size)]
@@ -163,6 +179,97 @@ def main() -> None:
             print(f"{mode:>24}: {medians[mode]:7.3f} s median of {args.repeats} (recompute + update), "
                   f"peak +{max(peaks):.1f} MB, {(real_tokens if mode == 'packed' else padded_tokens) / medians[mode]:.0f} tok/s")
         print(f"packed speed-up over padded: {medians['padded'] / medians['packed']:.2f}x")
+
+
+def by_value(state: dict[str, torch.Tensor], receivers: list[torch.nn.Module]) -> None:
+    """The old route: a full CPU copy of the state dict, serialised once (ray.put), read by every worker."""
+    import pickle
+
+    blob = pickle.dumps({k: v.detach().to("cpu", copy=True) for k, v in state.items()}, protocol=5)
+    for module in receivers:
+        module.load_state_dict(pickle.loads(blob), strict=False)
+
+
+def sync_tiny(learner: Learner, model_dir: Path, rollout: RolloutParams, protocol: ProtocolParams, data: Path,
+              params: RLParams, args: argparse.Namespace) -> None:
+    from loupe.rollout.weight_sync import plan_manifest
+
+    workers = WorkerSet(str(model_dir), rollout, protocol, str(data), params.model_copy(
+        update={"ray": params.ray.model_copy(update={"num_workers": args.sync_workers})}), args.seed, use_ray=False)
+    workers.connect_weights(learner, 1 + args.sync_workers, "gloo", 60)
+    manifest = plan_manifest(learner.weight_specs(), torch.float32, params.sync_bucket_mb << 20)
+    broadcast, copied = [], []
+    for _ in range(args.repeats):
+        started = time.perf_counter()
+        sent = workers.sync_weights(learner, manifest)
+        broadcast.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        by_value(learner.model.state_dict(), [w.engine.model for w in workers.workers])
+        copied.append(time.perf_counter() - started)
+    b, c = statistics.median(broadcast), statistics.median(copied)
+    print(f"\nweight sync of the tiny model to {args.sync_workers} workers ({sent / 2**20:.2f} MiB): "
+          f"broadcast {b * 1e3:.1f} ms, by value {c * 1e3:.1f} ms (median of {args.repeats}), ratio {c / b:.2f}x")
+    workers.close()
+
+
+def sync_slice(args: argparse.Namespace) -> None:
+    """The sync primitive on a 7B-shaped slice: the embedding and `--slice-layers` decoder layers."""
+    import threading as _threading
+
+    from loupe.rollout.weight_sync import (
+        SyncGroup,
+        free_address,
+        plan_manifest,
+        receive_weights,
+        send_weights,
+    )
+
+    if args.slice_layers < 0:
+        return
+    d = QWEN25_VL_7B
+    kv = d["kv_heads"] * d["head_dim"]
+    state = {"model.language_model.embed_tokens.weight": torch.randn(d["vocab"], d["hidden"])}
+    for i in range(args.slice_layers):
+        prefix = f"model.language_model.layers.{i}."
+        for name, shape in (("self_attn.q_proj.weight", (d["hidden"], d["hidden"])), ("self_attn.k_proj.weight", (kv, d["hidden"])),
+                            ("self_attn.v_proj.weight", (kv, d["hidden"])), ("self_attn.o_proj.weight", (d["hidden"], d["hidden"])),
+                            ("mlp.gate_proj.weight", (d["intermediate"], d["hidden"])), ("mlp.up_proj.weight", (d["intermediate"], d["hidden"])),
+                            ("mlp.down_proj.weight", (d["hidden"], d["intermediate"]))):
+            state[prefix + name] = torch.randn(*shape)
+    numel = sum(t.numel() for t in state.values())
+    manifest = plan_manifest([(k, v.dtype, tuple(v.shape)) for k, v in state.items()], torch.bfloat16)
+    receivers = [{k: torch.empty(v.shape, dtype=torch.bfloat16) for k, v in state.items()} for _ in range(args.sync_workers)]
+    host, port = free_address()
+    world = 1 + args.sync_workers
+
+    def receive(rank: int, target: dict[str, torch.Tensor], rounds: int) -> None:
+        group = SyncGroup(host, port, rank, world, "gloo", 600)
+        for _ in range(rounds):
+            for name, tensor in receive_weights(group, manifest):
+                target[name].copy_(tensor)
+
+    threads = [_threading.Thread(target=receive, args=(1 + i, r, args.repeats)) for i, r in enumerate(receivers)]
+    for t in threads:
+        t.start()
+    group = SyncGroup(host, port, 0, world, "gloo", 600)
+    broadcast = []
+    for _ in range(args.repeats):
+        started = time.perf_counter()
+        sent = send_weights(group, state.items(), manifest)
+        broadcast.append(time.perf_counter() - started)
+    for t in threads:
+        t.join()
+    copied = []
+    modules = [torch.nn.Module() for _ in receivers]
+    for _ in range(args.repeats):
+        started = time.perf_counter()
+        by_value(state, modules)
+        copied.append(time.perf_counter() - started)
+    b, c = statistics.median(broadcast), statistics.median(copied)
+    full_7b_bytes = 8.3e9 * 2  # 8.3 B parameters in bfloat16
+    print(f"weight sync of a Qwen2.5-VL-7B-shaped slice ({numel / 1e9:.2f} B parameters, {sent / 2**30:.2f} GiB as bf16) "
+          f"to {args.sync_workers} receivers: broadcast {b:.2f} s ({sent / b / 2**30:.2f} GiB/s), by value (fp32) {c:.2f} s, "
+          f"ratio {c / b:.2f}x; at this rate the whole 7B model takes {full_7b_bytes / (sent / b):.1f} s on gloo/CPU")
 
 
 if __name__ == "__main__":
