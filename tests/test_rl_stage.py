@@ -91,9 +91,9 @@ def test_a_crashed_run_resumes_to_the_same_weights_and_metrics(tiny_model_dir, t
 
 
 def test_the_ray_actor_path_trains_exactly_like_the_in_process_one(tiny_model_dir, toy_dir, tmp_path):
-    """Rollouts in a Ray worker, rewards in a Ray reward pool, weights through the object store: the same
-    seeds give the same trajectories, so two steps end on the same weights as without Ray (a worker that
-    missed the weight sync would sample its second step from the old policy)."""
+    """Rollouts in a Ray worker, rewards in a Ray reward pool, weights broadcast from the learner to the worker
+    over gloo: the same seeds give the same trajectories, so two steps end on the same weights as without Ray
+    (a worker that missed the weight sync would sample its second step from the old policy)."""
     local = write_params(tmp_path / "local.yaml", {"steps": 2})
     on_ray = write_params(tmp_path / "ray.yaml", {"steps": 2, "ray": {"enabled": True, "num_workers": 1}})
     _train(local, tiny_model_dir, toy_dir, tmp_path / "local")
@@ -101,6 +101,22 @@ def test_the_ray_actor_path_trains_exactly_like_the_in_process_one(tiny_model_di
     assert metrics["steps"] == 2
     _assert_same_weights(_weights(tmp_path / "local" / "model"), _weights(tmp_path / "ray" / "model"))
     assert [r["reward/mean"] for r in _rows(tmp_path / "local")] == [r["reward/mean"] for r in _rows(tmp_path / "ray")]
+
+
+def test_colocated_mode_generates_with_the_learners_module_and_trains_the_same(tiny_model_dir, toy_dir, tmp_path):
+    """Colocated: the engine samples from the learner's own module, no second model and no sync; it must see
+    each update exactly as a separate engine does after its broadcast, so both runs end on the same weights."""
+    local = write_params(tmp_path / "local.yaml", {"steps": 3})
+    colocated = write_params(tmp_path / "colocated.yaml", {"steps": 3, "ray": {"enabled": False, "colocate": True}})
+    _train(local, tiny_model_dir, toy_dir, tmp_path / "local")
+    _train(colocated, tiny_model_dir, toy_dir, tmp_path / "colocated")
+    _assert_same_weights(_weights(tmp_path / "local" / "model"), _weights(tmp_path / "colocated" / "model"))
+    rows = _rows(tmp_path / "colocated")
+    assert [r["reward/mean"] for r in _rows(tmp_path / "local")] == [r["reward/mean"] for r in rows]
+    assert all(r["time/sync"] < 0.05 for r in rows)  # nothing is sent
+    with pytest.raises(ValueError, match="colocate"):
+        read_inputs(write_params(tmp_path / "bad.yaml", {"ray": {"enabled": False, "colocate": True, "num_workers": 2}}),
+                    tiny_model_dir, toy_dir)
 
 
 def test_outputs_tracking_validation_kl_and_eval(tiny_model_dir, toy_dir, tmp_path, monkeypatch):

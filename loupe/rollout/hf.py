@@ -238,6 +238,7 @@ class TransformersEngine(TokenContextEngine):
 
     @torch.inference_mode()
     def _generate_batch(self, states: list[_State], max_new_tokens: int) -> list[Generation]:
+        self.model.eval()  # the module may be a colocated learner's, which trains in train mode between rollouts
         width = max(len(s.trace) for s in states)
         input_ids = torch.full((len(states), width), self.pad_id, dtype=torch.long)
         attention = torch.zeros((len(states), width), dtype=torch.long)

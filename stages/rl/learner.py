@@ -147,6 +147,7 @@ class Learner:
         fewer micro-batches than another, so every rank joins the same collectives.
         """
         started = time.perf_counter()
+        self.model.train()  # a colocated engine generates with this module in eval mode between updates
         p = self.params
         sequences = [s for s in sequences if s.num_trained]
         totals: dict[str, float] = {}

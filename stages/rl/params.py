@@ -41,6 +41,10 @@ class RayParams(Section):
     address_env: str = "RAY_ADDRESS"
     """Environment variable naming an existing cluster to join (`ray://...` or `host:port`); when it is unset
     a local Ray starts with this machine's CPUs."""
+    colocate: bool = False
+    """Colocated mode: the rollout engine shares the learner's device and, for the transformers engine, its very
+    module, in the learner's process: no second copy of the model and no weight sync (one GPU, or a laptop).
+    Needs one rollout worker and one learner rank. Not yet for vLLM (see docs/rl.md, Known limits)."""
     num_workers: int = Field(1, ge=1)
     """Rollout workers; each owns one engine and rolls out its share of the step's prompts."""
     cpus_per_worker: float = Field(0.5, gt=0)
@@ -53,6 +57,18 @@ class RayParams(Section):
     """Nodes the learner spans (learner ranks = nodes x gpus_per_node)."""
     reward_concurrency: int = Field(8, ge=1)
     """Trajectories the reward pool scores at once (LLM-judge calls overlap; rules are instant)."""
+    placement_timeout_s: float = Field(120.0, gt=0)
+    """Seconds to wait for the cluster to reserve the learner's and rollout workers' resources before failing
+    with what was asked and what each node has (a request no node can meet would otherwise wait forever)."""
+    worker_resources: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources each rollout worker also reserves (those of `ray start --resources`), to pin workers
+    to the nodes that advertise them; e.g. {rollout_slot: 1} with one slot per node puts one worker per node."""
+    learner_resources: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources each learner rank also reserves, to pin the learner to the nodes that advertise them."""
+    pass_env: list[str] = Field(default_factory=list)
+    """More environment variables of the driver handed to every actor: names, or prefixes ending in `*`. NCCL_*,
+    GLOO_*, TORCH_*, HF_*, TRANSFORMERS_*, VLLM_*, OMP_* and the like pass anyway; secrets (names holding KEY,
+    TOKEN, SECRET, PASSWORD) never do: set them in the environment of `ray start` (stages/rl/cluster.py)."""
 
 
 class RLParams(Section):

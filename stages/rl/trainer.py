@@ -118,6 +118,12 @@ def read_inputs(params_path: Path, model_path: Path, tasks_dir: Path) -> Inputs:
         raise ValueError(f"{params_path}: rl.temperature: RL needs sampling (temperature > 0), got rollout.temperature 0")
     if rollout.engine == "openai":
         raise ValueError(f"{params_path}: rollout.engine: the openai engine keeps no token ids to train on; use transformers or vllm")
+    if params.ray.colocate and (rollout.engine != "transformers" or params.ray.num_workers != 1 or params.learner_ranks != 1):
+        raise ValueError(
+            f"{params_path}: rl.ray.colocate: colocated mode runs one transformers engine on the learner's own module "
+            f"(rollout.engine: transformers, rl.ray.num_workers: 1, one learner rank); got engine {rollout.engine}, "
+            f"{params.ray.num_workers} workers, {params.learner_ranks} learner ranks"
+        )
     if not (Path(model_path) / "config.json").is_file():
         raise FileNotFoundError(f"{model_path}: not a Hugging Face model directory (no config.json)")
     train_file = Path(tasks_dir) / f"{params.train_split}.jsonl"
@@ -210,13 +216,16 @@ class Trainer:
         if self.use_ray:
             self._ray_started = start_ray(p.ray)
         self.reward = RewardService(p, self.use_ray)
-        self.workers = WorkerSet(str(i.model_path), i.rollout, i.protocol, str(i.tasks_dir), p, i.seed, self.use_ray)
         if p.learner_ranks > 1:
             if not self.use_ray:
                 raise ValueError("rl.ray: a learner on several GPUs needs Ray (rl.ray.enabled: true)")
             self.learner: Any = LearnerGroup(str(i.model_path), p, i.rollout.temperature, i.generation_budget, p.learner_ranks)
         else:
             self.learner = Learner(i.model_path, p, i.rollout.temperature, i.generation_budget)
+        colocated = self.learner.model if p.ray.colocate else None
+        self.workers = WorkerSet(
+            str(i.model_path), i.rollout, i.protocol, str(i.tasks_dir), p, i.seed, self.use_ray, colocated_model=colocated
+        )
         self._connect_weights()
         found = ckpt.latest_checkpoint(self.out_dir)
         if found is not None:

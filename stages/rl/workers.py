@@ -75,11 +75,13 @@ class RolloutWorker:
         image_root: str,
         seed: int = 0,
         index: int = 0,
+        model: Any = None,
     ):
         self.protocol = protocol
         self.image_root = image_root
         self.index = index
-        self.engine = make_engine(rollout, protocol, model_path=model_path, seed=seed)
+        # `model`: the learner's own module (colocated mode); the engine then generates with the live policy.
+        self.engine = make_engine(rollout, protocol, model_path=model_path, seed=seed, model=model)
         if type(self.engine).trace is Engine.trace:  # the base class's: this engine keeps no token ids
             raise ValueError(f"rl: the {rollout.engine} engine keeps no token trace; use transformers or vllm")
 
@@ -180,10 +182,15 @@ class WorkerSet:
         params: RLParams,
         seed: int,
         use_ray: bool,
+        colocated_model: Any = None,
     ):
-        self.use_ray = use_ray
+        """`colocated_model`: the learner's module; one in-process worker generates with it (no weight sync)."""
+        self.colocated = colocated_model is not None
+        self.use_ray = use_ray and not self.colocated
         args = (model_path, rollout, protocol, str(image_root), seed)
-        if use_ray:
+        if self.colocated:
+            self.workers = [RolloutWorker(*args, index=0, model=colocated_model)]
+        elif use_ray:
             import ray
 
             actor = ray.remote(RolloutWorker).options(
@@ -241,6 +248,8 @@ class WorkerSet:
 
     def connect_weights(self, learner: Any, world_size: int, backend: str, timeout_s: float) -> None:
         """Form the weight-sync group: the learner's rank 0 as rank 0, worker i as rank 1 + i."""
+        if self.colocated:  # the engine generates with the learner's own module
+            return
         host, port = learner.sync_address()
         pending = self._start(
             [(w, "init_weight_sync", (host, port, 1 + i, world_size, backend, timeout_s)) for i, w in enumerate(self.workers)]
@@ -250,6 +259,8 @@ class WorkerSet:
 
     def sync_weights(self, learner: Any, manifest: list) -> int:
         """The learner's weights to every worker by broadcast; returns the bytes sent."""
+        if self.colocated:
+            return 0
         pending = self._start([(w, "receive_weights", (manifest,)) for w in self.workers])
         sent = learner.send_weights(manifest)
         loaded = self._finish(pending)
