@@ -53,6 +53,11 @@ def _compare_group_with_single(tiny_model_dir, tmp_path, world: int, gpus: float
         group.save_checkpoint(tmp_path / "checkpoint")
         group.save_model(tmp_path / "saved", tiny_model_dir)
         assert (tmp_path / "saved" / "config.json").is_file()
+        # One sequence over two ranks: rank 1 trains nothing (a zero-weight filler); its statistics must still
+        # line up with rank 0's in the all-reduce, not hang or mix values.
+        lone = group.update(sequences[:1])
+        assert lone["update_tokens"] == sequences[0].num_trained
+        assert lone["optimizer_steps"] == 1
         group.close()
     finally:
         if started:

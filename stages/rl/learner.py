@@ -45,6 +45,13 @@ def shard_model(model: Any, mesh: Any = None) -> Any:
     return model
 
 
+SUMMED_STATS = (
+    "tokens", "pg_loss_sum", "clipped_sum", "clipped_high_sum", "clipped_low_sum", "ratio_sum", "policy_kl_sum",
+    "kl_sum", "entropy_sum",
+)
+"""Per-token statistic sums of `loss.policy_loss` that sharded ranks add up (ratio_max is reduced by max)."""
+
+
 @contextlib.contextmanager
 def _single_process_checkpoint(distributed: bool) -> Iterator[None]:
     """torch.distributed.checkpoint warns that it assumes one process when no group exists; here that is the
@@ -201,10 +208,16 @@ class Learner:
     def _summarise(self, totals: dict[str, float], grad_norms: list[float], seconds: float) -> dict[str, float]:
         tokens = totals.get("tokens", 0.0)
         if self.distributed:
-            keys = sorted(k for k in totals if not k.endswith("_max"))
-            summed = torch.tensor([totals[k] for k in keys], dtype=torch.float64, device=self.device)
+            # A fixed list of keys: a rank that trained nothing has no statistics of its own, and tensors of
+            # different lengths in one all-reduce would hang or mix values. The gradient norm, and so the count
+            # of skipped steps, is already global.
+            summed = torch.tensor([totals.get(k, 0.0) for k in SUMMED_STATS], dtype=torch.float64, device=self.device)
             torch.distributed.all_reduce(summed)
-            totals.update(dict(zip(keys, summed.tolist())))
+            largest = torch.tensor([totals.get("ratio_max", 0.0)], dtype=torch.float64, device=self.device)
+            torch.distributed.all_reduce(largest, op=torch.distributed.ReduceOp.MAX)
+            totals.update(dict(zip(SUMMED_STATS, summed.tolist())), ratio_max=float(largest))
+            if self.reference is None:
+                totals.pop("kl_sum", None)
             tokens = totals.get("tokens", 0.0)
         per_token = max(tokens, 1.0)
         out = {
