@@ -42,6 +42,7 @@ from stages.eval.metrics import summarize
 from stages.rl import checkpoint as ckpt
 from stages.rl.advantages import compute_advantages, groups_with_signal
 from stages.rl.batching import TrainSequence
+from stages.rl.cluster import absolute_params, absolute_path
 from stages.rl.loss import kl_estimate
 from stages.rl.metrics import MetricsLog, rollout_metrics, write_plots
 from stages.rl.params import RLParams
@@ -105,7 +106,9 @@ class Inputs:
 
 def read_inputs(params_path: Path, model_path: Path, tasks_dir: Path) -> Inputs:
     seed = load_seed(params_path)
-    params = load_section(RLParams, "rl", params_path)
+    params = absolute_params(load_section(RLParams, "rl", params_path))
+    # Actors run in their node's working directory, not this one: they get absolute paths only.
+    model_path, tasks_dir = absolute_path(model_path), absolute_path(tasks_dir)
     protocol = load_section(ProtocolParams, "protocol", params_path)
     rollout = load_section(RolloutParams, "rollout", params_path)
     updates: dict[str, Any] = {}
@@ -194,7 +197,7 @@ class Trainer:
     def __init__(self, inputs: Inputs, out_dir: Path, run: StageRun | NullRun | None = None, progress: bool = True, use_ray: bool | None = None):
         self.inputs = inputs
         self.params = inputs.params
-        self.out_dir = Path(out_dir)
+        self.out_dir = absolute_path(out_dir)
         self.run = run or NullRun()
         self.progress = progress
         self.use_ray = self.params.ray.enabled if use_ray is None else use_ray
@@ -207,8 +210,9 @@ class Trainer:
     # --- set-up and tear-down -------------------------------------------------------------------------------
 
     def _start(self) -> None:
+        from stages.rl.cluster import start_ray
         from stages.rl.learner import Learner
-        from stages.rl.workers import LearnerGroup, RewardService, WorkerSet, start_ray
+        from stages.rl.workers import LearnerGroup, RewardService, WorkerSet
 
         i, p = self.inputs, self.params
         if p.cpu_threads:

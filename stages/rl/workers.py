@@ -40,28 +40,14 @@ from loupe.rollout import Engine, RolloutStats, make_engine, run_rollouts
 from loupe.rollout.weight_sync import free_address
 from loupe.trajectory import Trajectory
 from stages.rl.batching import split_evenly
-from stages.rl.params import RayParams, RLParams
-
-
-def start_ray(params: RayParams) -> bool:
-    """Join the cluster the address variable names, or start a local one; True when this call started Ray."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    # Actors on other nodes do not inherit this shell: pass on the settings that change what they do.
-    passed = {k: v for k, v in os.environ.items() if k in _PASSED_ENV or k.startswith(("LOUPE_", "MLFLOW_"))}
-    address = os.environ.get(params.address_env)
-    if address:
-        ray.init(address=address, ignore_reinit_error=True, runtime_env={"env_vars": passed})
-    else:
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, ignore_reinit_error=True,
-                 runtime_env={"env_vars": passed})
-    return True
-
-
-_PASSED_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM", "HF_HOME")
-"""Passed to actors; secrets (a judge's API key) are not: set them in the environment of `ray start` on each node."""
+from stages.rl.cluster import (
+    learner_placement,
+    require_on_node,
+    reward_paths,
+    start_ray,  # noqa: F401 - moved to stages.rl.cluster, importable from here
+    worker_placement,
+)
+from stages.rl.params import RLParams
 
 
 class RolloutWorker:
@@ -77,6 +63,7 @@ class RolloutWorker:
         index: int = 0,
         model: Any = None,
     ):
+        require_on_node({"model (--model)": model_path, "tasks (--tasks)": image_root})
         self.protocol = protocol
         self.image_root = image_root
         self.index = index
@@ -129,6 +116,7 @@ class RewardPool:
     """Scores trajectories: rules inline, LLM-judge calls concurrently (and cached by the judge)."""
 
     def __init__(self, cfg: RewardConfig, custom_reward: str | None = None, concurrency: int = 8):
+        require_on_node(reward_paths(custom_reward))
         self.cfg = cfg
         self.judge = build_judge(cfg)
         self.concurrency = concurrency
@@ -193,10 +181,12 @@ class WorkerSet:
         elif use_ray:
             import ray
 
-            actor = ray.remote(RolloutWorker).options(
-                num_cpus=params.ray.cpus_per_worker, num_gpus=params.ray.gpus_per_worker
-            )
-            self.workers = [actor.remote(*args, index=i) for i in range(params.ray.num_workers)]
+            r = params.ray
+            self.placement = worker_placement(r.num_workers, r.cpus_per_worker, r.gpus_per_worker,
+                                              r.placement_timeout_s, r.worker_resources)
+            actor = ray.remote(RolloutWorker)
+            self.workers = [actor.options(**self.placement.actor_options(i)).remote(*args, index=i)
+                            for i in range(r.num_workers)]
         else:
             self.workers = [RolloutWorker(*args, index=i) for i in range(params.ray.num_workers)]
 
@@ -275,6 +265,7 @@ class WorkerSet:
 
             for worker in self.workers:
                 ray.kill(worker)
+            self.placement.remove()
         else:
             for worker in self.workers:
                 worker.close()
@@ -298,14 +289,8 @@ class RewardService:
     """The reward pool, as a Ray actor or in-process; sends trajectories without their traces."""
 
     def __init__(self, params: RLParams, use_ray: bool):
-        custom = None
-        if params.custom_reward:  # absolute, so an actor with another working directory finds the file
-            path, _, name = params.custom_reward.rpartition(":")
-            custom = f"{Path(path).resolve()}:{name}"
-        reward = params.reward
-        if reward.judge is not None and reward.judge.cache_dir:  # absolute, for the same reason
-            judge = reward.judge.model_copy(update={"cache_dir": str(Path(reward.judge.cache_dir).resolve())})
-            reward = reward.model_copy(update={"judge": judge})
+        # custom reward and judge cache are absolute already: trainer.read_inputs (cluster.absolute_params)
+        custom, reward = params.custom_reward, params.reward
         args = (reward, custom, params.ray.reward_concurrency)
         self.use_ray = use_ray
         if use_ray:
@@ -340,6 +325,7 @@ class LearnerRank:
     def setup(self, host: str, port: int, model_path: str, params: RLParams, temperature: float, budget: int) -> None:
         from stages.rl.learner import Learner
 
+        require_on_node({"model (--model)": model_path})
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
         cuda = torch.cuda.is_available()
         torch.distributed.init_process_group("nccl" if cuda else "gloo", rank=self.rank, world_size=self.world)
@@ -356,23 +342,13 @@ class LearnerGroup:
 
     def __init__(self, model_path: str, params: RLParams, temperature: float, budget: int, world: int, gpus: float = 1.0):
         import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.world = world
-        bundle = {"CPU": 1, "GPU": gpus} if gpus else {"CPU": 0.5}
-        # Placement declared from the GPU layout: PACK puts ranks on as few nodes as fit (fast NVLink first).
-        self.placement = placement_group([bundle] * world, strategy="PACK")
-        ray.get(self.placement.ready())
+        nodes = params.ray.nodes if world % params.ray.nodes == 0 else 1
+        self.placement = learner_placement(nodes, world // nodes, 1 if gpus else 0.5, params.ray.placement_timeout_s,
+                                           params.ray.learner_resources, gpus_per_rank=gpus)
         actor = ray.remote(LearnerRank)
-        self.ranks = [
-            actor.options(
-                num_cpus=bundle["CPU"],
-                num_gpus=gpus,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=r),
-            ).remote(r, world)
-            for r in range(world)
-        ]
+        self.ranks = [actor.options(**self.placement.actor_options(r)).remote(r, world) for r in range(world)]
         host, port = ray.get(self.ranks[0].address.remote())
         ray.get([rank.setup.remote(host, port, model_path, params, temperature, budget) for rank in self.ranks])
 
@@ -437,8 +413,7 @@ class LearnerGroup:
 
     def close(self) -> None:
         import ray
-        from ray.util.placement_group import remove_placement_group
 
         for rank in self.ranks:
             ray.kill(rank)
-        remove_placement_group(self.placement)
+        self.placement.remove()
