@@ -49,6 +49,24 @@ $(STAMP): | $(LOCK) pyproject.toml
 	rm -f $(VENV)/.loupe-*
 	touch $@
 
+# vLLM as the rl image pins it (requirements/vllm.txt: vllm 0.33.0, torch 2.14.0, CUDA wheels, about 9.5 GB), in a
+# venv of its own, to check loupe's vLLM code against the real package on CPU: `pytest -m vllm` (docs/rl.md).
+# Keyed like the main venv: a no-op while requirements/vllm.txt and pyproject.toml are unchanged.
+VLLM_VENV ?= .venv-vllm
+VLLM_LOCK := requirements/vllm.txt
+VLLM_STAMP := $(VLLM_VENV)/.loupe-vllm-$(shell cat $(VLLM_LOCK) pyproject.toml 2>/dev/null | sha256sum | cut -c1-16)
+.PHONY: vllm-venv
+vllm-venv: $(VLLM_STAMP)
+
+$(VLLM_STAMP): | $(VLLM_LOCK) pyproject.toml
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade "pip>=25"
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -r $(VLLM_LOCK)
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
+	$(VLLM_VENV)/bin/python -c "import importlib.metadata as m; v = m.version('vllm'); assert v == '0.33.0', v"
+	rm -f $(VLLM_VENV)/.loupe-vllm-*
+	touch $@
+
 # Re-resolve requirements/cpu.in into the exact versions of requirements/cpu.txt (in a scratch venv).
 lock:
 	rm -rf .lock-venv && $(PYTHON) -m venv .lock-venv

@@ -5,8 +5,9 @@ Written against vLLM 0.33's offline API (`LLM.generate` with `TokensPrompt` + `m
 learner arrive by broadcast into `loupe.rollout.weight_sync.VLLMWeightSyncExtension`, which vLLM mixes into
 its workers (`worker_extension_cls`); this process only names the methods through `collective_rpc`.
 The dialogue's ids are kept expanded (one placeholder per image patch, as the RL learner consumes them); vLLM expands image
-placeholders itself, so each run of image-pad ids is collapsed to one before a prompt is sent. Only runs
-where vLLM and a GPU exist: its tests are marked `gpu`.
+placeholders itself, so each run of image-pad ids is collapsed to one before a prompt is sent. Generates only
+where vLLM and a GPU exist (its tests are marked `gpu`); `tests/test_vllm_real.py` checks the rest against the
+installed vLLM on CPU (docs/rl.md).
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ class VLLMEngine(TokenContextEngine):
             enable_prefix_caching=True,
             gpu_memory_utilization=gpu_memory_utilization,
             worker_extension_cls=WORKER_EXTENSION,
+            # The sampled token's log-prob after temperature (vLLM's default, raw_logprobs, is the model's own
+            # distribution at temperature 1): what the transformers engine records and the learner recomputes.
+            # With top_p < 1 it is the renormalised nucleus's; the learner never truncates.
+            logprobs_mode="processed_logprobs",
         )
         self.image_pad_id = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
         self._requests = 0
@@ -93,19 +98,24 @@ class VLLMEngine(TokenContextEngine):
                 prompt["multi_modal_data"] = {"image": list(state.trace.images)}
             prompts.append(TokensPrompt(**prompt))
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        generations = []
+        finished = []
         for state, output in zip(states, outputs):
             completion = output.outputs[0]
             ids = list(completion.token_ids)
             logprobs = [step[token].logprob for step, token in zip(completion.logprobs or [], ids)]
             if completion.finish_reason == "length":
                 finish = "length"
+            elif completion.finish_reason != "stop":
+                # "abort" or "error" (vLLM returns such requests from generate without raising): the tokens are
+                # not a finished turn, and recording them as one would train on them.
+                raise RuntimeError(f"vllm: request {output.request_id} ended with finish_reason {completion.finish_reason!r}")
             elif isinstance(completion.stop_reason, str):
                 finish = "stop"
             else:
                 finish = "eos"
-            generations.append(self._record(state, ids, logprobs or [0.0] * len(ids), finish))
-        return generations
+            finished.append((state, ids, logprobs or [0.0] * len(ids), finish))
+        # Recorded only once every request finished, so a failed call leaves every dialogue as it was.
+        return [self._record(*turn) for turn in finished]
 
     def init_weight_sync(self, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float) -> None:
         # Each of the engine's workers (one per tensor-parallel rank) joins as rank + its rank in the engine.
