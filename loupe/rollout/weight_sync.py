@@ -235,7 +235,8 @@ class VLLMWeightSyncExtension:
             local_rank = get_world_group().rank
         except (ImportError, AssertionError):  # no vLLM world group (a test harness): one worker per engine
             local_rank = 0
-        device = getattr(self, "device", "cpu")
+        # vLLM's WorkerBase holds `device = None` until init_device; a started engine has its GPU here.
+        device = getattr(self, "device", None) or "cpu"
         self.loupe_sync_group = SyncGroup(host, port, rank_offset + local_rank, world_size, backend, timeout_s, device)
 
     def receive_weights(self, manifest: Manifest) -> int:
