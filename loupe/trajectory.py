@@ -9,23 +9,28 @@ its source and a dataset writer can copy each file once.
 Crops produced during a rollout live in memory (`pending`) until `write_trajectories` saves them as PNG files
 beside the JSONL (`images/<traj_id>/<index>.png`) and records their paths relative to the JSONL's folder.
 Token ids, the generated-token mask and sampling log-probs (what RL trains on) stay in memory on `trace`;
-they are not written to JSONL.
+they are not written to JSONL. `JsonlWriter` writes a file a piece at a time (eval streams its trajectories
+chunk by chunk) and puts it in place whole, with one rename, only when the last piece is in.
 """
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import io
 import json
 import os
+import tempfile
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterable
+from types import TracebackType
+from typing import Any, Self
 
 from PIL import Image
 
 from loupe.images import open_image
-from loupe.io import atomic_write_bytes, atomic_write_text
+from loupe.io import FILE_MODE, atomic_write_bytes, atomic_write_text
 
 END_REASONS = ("answered", "over_turn", "format_error", "length")
 """Why a trajectory stopped: it answered; it was still calling tools at the turn, image or context limit;
@@ -134,7 +139,7 @@ class Trajectory:
         return data
 
     @classmethod
-    def from_json(cls, data: dict[str, Any], base_dir: Path | None = None) -> "Trajectory":
+    def from_json(cls, data: dict[str, Any], base_dir: Path | None = None) -> Trajectory:
         known = {f.name for f in fields(cls)} - {"pending", "trace", "base_dir"}
         unknown = set(data) - known
         if unknown:
@@ -187,6 +192,80 @@ def write_trajectories(trajectories: Iterable[Trajectory], path: str | Path) -> 
         lines.append(json.dumps(trajectory.to_json(), ensure_ascii=False))
     atomic_write_text(path, "".join(line + "\n" for line in lines))
     return path
+
+
+class JsonlWriter:
+    """A JSONL file written a piece at a time into a hidden temporary file beside `path`, renamed to `path` on
+    `commit`.
+
+    Eval writes its trajectories and results a chunk at a time, so memory holds one chunk, not the benchmark;
+    the rename at the end keeps the all-or-nothing promise of `atomic_write_text`: a run that dies before
+    `commit` leaves `path` as it was (absent, or the previous run's whole file), never half a file. As a context
+    manager it commits on a normal exit and discards the temporary file on an exception. The leftovers of a
+    run killed outright (`.<name>.*.partial`) are removed by the next writer of the same path.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        for stale in self.path.parent.glob(f".{glob.escape(self.path.name)}.*.partial"):
+            stale.unlink(missing_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".partial")
+        self.tmp_path = Path(tmp)  # where the lines go until `commit`
+        self._file = os.fdopen(fd, "w", encoding="utf-8")
+        self.lines = 0  # lines written so far
+
+    def write_rows(self, rows: Iterable[dict[str, Any]], ensure_ascii: bool = True) -> None:
+        """Append one JSON line per row. Every row is serialised before any is written, so a row that cannot be
+        written leaves the file as it was."""
+        self._write([json.dumps(row, ensure_ascii=ensure_ascii) for row in rows])
+
+    def write_trajectories(self, trajectories: Iterable[Trajectory]) -> None:
+        """Append trajectories as `write_trajectories` writes them: crops saved beside `path` first (which
+        clears them from memory), relative image paths made relative to its folder."""
+        lines = []
+        for trajectory in trajectories:
+            _rebase_images(trajectory, self.path.parent)
+            save_pending_images(trajectory, self.path.parent)
+            lines.append(json.dumps(trajectory.to_json(), ensure_ascii=False))
+        self._write(lines)
+
+    def _write(self, lines: list[str]) -> None:
+        if self._file.closed:
+            raise ValueError(f"{self.path}: writer already committed or discarded")
+        self._file.write("".join(line + "\n" for line in lines))
+        self._file.flush()  # a piece is on disk before the next one is computed (and visible to a watcher)
+        self.lines += len(lines)
+
+    def commit(self) -> Path:
+        """Put the file in place under `path` in one rename; returns `path`."""
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            os.chmod(self.tmp_path, FILE_MODE)
+            os.replace(self.tmp_path, self.path)
+        except BaseException:
+            self.abort()
+            raise
+        return self.path
+
+    def abort(self) -> None:
+        """Drop what was written; `path` stays as it was."""
+        if not self._file.closed:
+            self._file.close()
+        self.tmp_path.unlink(missing_ok=True)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        if kind is None:
+            self.commit()
+        else:
+            self.abort()
 
 
 def read_trajectories(path: str | Path) -> list[Trajectory]:

@@ -11,7 +11,7 @@ import yaml
 from loupe.data.synthetic import SyntheticConfig, generate_tasks
 from loupe.trajectory import Trajectory, Turn, read_trajectories
 from stages.eval.__main__ import main as eval_main
-from stages.eval.metrics import correct_within, summarize, valid_turn_rate
+from stages.eval.metrics import SampleRecord, correct_within, summarize, valid_turn_rate
 from stages.eval.params import EvalParams
 
 
@@ -40,6 +40,32 @@ def test_turn_scaling_follows_from_where_each_trajectory_ended():
     assert summary["pass@2"] == pytest.approx(2 / 3)  # a and b have a right sample; c has none
     assert summary["end_reasons"]["over_turn"] == pytest.approx(1 / 6)
     assert not correct_within(trajectories[1], 2) and correct_within(trajectories[1], 3)
+
+
+def test_summary_from_compact_records_is_byte_for_byte_the_summary_of_whole_trajectories():
+    """Eval keeps a SampleRecord per sample, not the trajectory; metrics.json must read as it did when the summary
+    was computed from trajectories (the literal is what that implementation wrote, ints where statistics.mean
+    gave ints)."""
+    trajectories = [
+        finished("a", 0, 1, "answered", 1.0),
+        finished("a", 1, 3, "answered", 1.0),
+        finished("b", 0, 5, "answered", 1.0),
+        finished("b", 1, 2, "answered", 0.0),
+        finished("c", 0, 8, "over_turn", 0.0),
+        finished("c", 1, 2, "answered", None),
+    ]
+    records = [SampleRecord.of(t) for t in trajectories]
+    before = (
+        '{"questions": 3, "samples_per_question": 2, "trajectories": 6, "invalid": 1, "avg@2": 0.6, '
+        '"pass@2": 0.6666666666666666, "accuracy": 0.6, "by_category": {"c": 0.6}, "mean_turns": 3.5, '
+        '"valid_turn_rate": 1, "mean_tool_calls": 0, "mean_generated_tokens": 0, "end_reasons": '
+        '{"answered": 0.8333333333333334, "over_turn": 0.16666666666666666, "format_error": 0.0, "length": 0.0}, '
+        '"turn_scaling": {"1": 0.2, "2": 0.2, "4": 0.4, "8": 0.6}}'
+    )
+    assert json.dumps(summarize(records, [1, 2, 4, 8])) == before
+    assert json.dumps(summarize(trajectories, [1, 2, 4, 8])) == before  # the rl stage still passes trajectories
+    trajectories[1].turns[1].action = "error"
+    assert json.dumps(valid_turn_rate([SampleRecord.of(t) for t in trajectories])) == str(20 / 21)
 
 
 def test_valid_turn_rate_counts_calls_and_answers():

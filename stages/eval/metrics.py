@@ -1,17 +1,94 @@
-"""Benchmark metrics from scored trajectories: Avg@K, pass@K, per category, end reasons, turn scaling.
+"""Benchmark metrics from scored samples: Avg@K, pass@K, per category, end reasons, turn scaling.
 
 The turn-scaling curve needs no extra rollouts: a trajectory that answered within `l` turns would have
 answered the same way under a limit of `l`, and one that needed more turns would have been cut off
 (over_turn, scored wrong). So one pass at the largest limit gives accuracy at every smaller one.
+
+Metrics are computed from `SampleRecord`s, a few numbers per sample, so eval can keep one per sample for the
+whole benchmark while the trajectories themselves (dialogue, crops, token traces) are written out and dropped
+a chunk at a time. Every function also takes scored `Trajectory` objects (the rl stage's validation passes
+them) and reads the same numbers from them.
 """
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
 from statistics import mean
 from typing import Any
 
 from loupe.trajectory import END_REASONS, Trajectory
+
+
+@dataclass(frozen=True)
+class SampleRecord:
+    """One scored sample reduced to what the metrics and results.jsonl need: no dialogue, images or tokens."""
+
+    doc_id: str
+    sample: int
+    """Which of the K samples of the question this is."""
+    category: str | None
+    solution: str
+    answer: str | None
+    accuracy: float | None
+    """The accuracy reward; None when it could not be scored (a judge that failed)."""
+    valid: bool
+    """Scored for real (see `is_valid`)."""
+    end_reason: str | None
+    turns: int
+    """Assistant turns taken."""
+    valid_turns: int
+    """Assistant turns that parsed as a tool call or an answer (for the valid-turn rate)."""
+    tool_calls: int
+    format_errors: int
+    generated_tokens: int
+
+    @classmethod
+    def of(cls, trajectory: Trajectory) -> SampleRecord:
+        """The record of a scored trajectory."""
+        actions = [turn.action for turn in trajectory.turns if turn.role == "assistant"]
+        return cls(
+            doc_id=trajectory.task["doc_id"],
+            sample=trajectory.sample_index,
+            category=trajectory.task.get("category"),
+            solution=trajectory.task["solution"],
+            answer=trajectory.answer,
+            accuracy=trajectory.rewards.get("accuracy"),
+            valid=is_valid(trajectory),
+            end_reason=trajectory.end_reason,
+            turns=len(actions),
+            valid_turns=sum(a in ("call", "answer") for a in actions),
+            tool_calls=trajectory.num_tool_calls,
+            format_errors=trajectory.num_format_errors,
+            generated_tokens=trajectory.generated_tokens,
+        )
+
+    def row(self, benchmark: str) -> dict[str, Any]:
+        """The sample's row of results.jsonl."""
+        return {
+            "benchmark": benchmark,
+            "doc_id": self.doc_id,
+            "sample": self.sample,
+            "category": self.category,
+            "solution": self.solution,
+            "answer": self.answer,
+            "accuracy": self.accuracy,
+            "valid": self.valid,
+            "end_reason": self.end_reason,
+            "turns": self.turns,
+            "tool_calls": self.tool_calls,
+            "format_errors": self.format_errors,
+            "generated_tokens": self.generated_tokens,
+        }
+
+
+Sample = SampleRecord | Trajectory
+"""What the metrics take: a compact record, or a scored trajectory it is read from."""
+
+
+def _record(sample: Sample) -> SampleRecord:
+    return sample if isinstance(sample, SampleRecord) else SampleRecord.of(sample)
 
 
 def is_valid(trajectory: Trajectory) -> bool:
@@ -19,77 +96,65 @@ def is_valid(trajectory: Trajectory) -> bool:
     return bool(trajectory.rewards.get("valid", False)) and trajectory.rewards.get("accuracy") is not None
 
 
-def correct_within(trajectory: Trajectory, turn_limit: int) -> bool:
-    """Whether the trajectory would be right had it been stopped after `turn_limit` assistant turns."""
-    return (
-        trajectory.end_reason == "answered"
-        and trajectory.num_turns <= turn_limit
-        and float(trajectory.rewards.get("accuracy") or 0.0) >= 1.0
-    )
+def correct_within(sample: Sample, turn_limit: int) -> bool:
+    """Whether the sample would be right had it been stopped after `turn_limit` assistant turns."""
+    record = _record(sample)
+    return record.end_reason == "answered" and record.turns <= turn_limit and float(record.accuracy or 0.0) >= 1.0
 
 
-def valid_turn_rate(trajectories: list[Trajectory]) -> float | None:
+def _ratio(hits: int, total: int) -> float | int:
+    """`hits / total` exactly as `statistics.mean` gives it for `total` booleans of which `hits` are true
+    (an int when whole), so metrics.json reads the same whichever way the samples were held."""
+    return hits // total if hits % total == 0 else hits / total
+
+
+def valid_turn_rate(samples: Iterable[Sample]) -> float | None:
     """Share of assistant turns that parse as a tool call or an answer: does the model follow the protocol?"""
-    actions = [turn.action for t in trajectories for turn in t.turns if turn.role == "assistant"]
-    return mean(a in ("call", "answer") for a in actions) if actions else None
+    records = [_record(s) for s in samples]
+    turns = sum(r.turns for r in records)
+    return _ratio(sum(r.valid_turns for r in records), turns) if turns else None
 
 
-def _accuracy(trajectories: list[Trajectory], turn_limit: int) -> float | None:
-    valid = [t for t in trajectories if is_valid(t)]
-    return mean(correct_within(t, turn_limit) for t in valid) if valid else None
+def _accuracy(records: list[SampleRecord], turn_limit: int) -> float | None:
+    valid = [r for r in records if r.valid]
+    return mean(correct_within(r, turn_limit) for r in valid) if valid else None
 
 
-def summarize(trajectories: list[Trajectory], turn_limits: list[int]) -> dict[str, Any]:
-    """Metrics of one benchmark's trajectories (all K samples of every question)."""
+def summarize(samples: Iterable[Sample], turn_limits: list[int]) -> dict[str, Any]:
+    """Metrics of one benchmark's samples (all K samples of every question)."""
+    records = [_record(s) for s in samples]
     max_turns = max(turn_limits)
-    by_question: dict[str, list[Trajectory]] = defaultdict(list)
-    by_category: dict[str, list[Trajectory]] = defaultdict(list)
-    for t in trajectories:
-        by_question[t.task["doc_id"]].append(t)
-        by_category[t.task.get("category") or "all"].append(t)
-    valid = [t for t in trajectories if is_valid(t)]
-    scored_questions = [ts for ts in by_question.values() if any(is_valid(t) for t in ts)]
-    reasons = Counter(t.end_reason for t in trajectories)
-    samples = max((len(ts) for ts in by_question.values()), default=0)
+    by_question: dict[str, list[SampleRecord]] = defaultdict(list)
+    by_category: dict[str, list[SampleRecord]] = defaultdict(list)
+    for r in records:
+        by_question[r.doc_id].append(r)
+        by_category[r.category or "all"].append(r)
+    valid = [r for r in records if r.valid]
+    scored_questions = [rs for rs in by_question.values() if any(r.valid for r in rs)]
+    reasons = Counter(r.end_reason for r in records)
+    samples_per_question = max((len(rs) for rs in by_question.values()), default=0)
     return {
         "questions": len(by_question),
-        "samples_per_question": samples,
-        "trajectories": len(trajectories),
-        "invalid": len(trajectories) - len(valid),
-        f"avg@{samples}": _accuracy(trajectories, max_turns),
-        f"pass@{samples}": (
-            mean(any(correct_within(t, max_turns) for t in ts if is_valid(t)) for ts in scored_questions)
+        "samples_per_question": samples_per_question,
+        "trajectories": len(records),
+        "invalid": len(records) - len(valid),
+        f"avg@{samples_per_question}": _accuracy(records, max_turns),
+        f"pass@{samples_per_question}": (
+            mean(any(correct_within(r, max_turns) for r in rs if r.valid) for rs in scored_questions)
             if scored_questions
             else None
         ),
-        "accuracy": _accuracy(trajectories, max_turns),
-        "by_category": {c: _accuracy(ts, max_turns) for c, ts in sorted(by_category.items())},
-        "mean_turns": mean(t.num_turns for t in trajectories) if trajectories else None,
-        "valid_turn_rate": valid_turn_rate(trajectories),
-        "mean_tool_calls": mean(t.num_tool_calls for t in trajectories) if trajectories else None,
-        "mean_generated_tokens": mean(t.generated_tokens for t in trajectories) if trajectories else None,
-        "end_reasons": {r: reasons.get(r, 0) / max(len(trajectories), 1) for r in END_REASONS},
-        "turn_scaling": {str(limit): _accuracy(trajectories, limit) for limit in turn_limits},
+        "accuracy": _accuracy(records, max_turns),
+        "by_category": {c: _accuracy(rs, max_turns) for c, rs in sorted(by_category.items())},
+        "mean_turns": mean(r.turns for r in records) if records else None,
+        "valid_turn_rate": valid_turn_rate(records),
+        "mean_tool_calls": mean(r.tool_calls for r in records) if records else None,
+        "mean_generated_tokens": mean(r.generated_tokens for r in records) if records else None,
+        "end_reasons": {reason: reasons.get(reason, 0) / max(len(records), 1) for reason in END_REASONS},
+        "turn_scaling": {str(limit): _accuracy(records, limit) for limit in turn_limits},
     }
 
 
-def result_rows(benchmark: str, trajectories: list[Trajectory]) -> list[dict[str, Any]]:
+def result_rows(benchmark: str, samples: Iterable[Sample]) -> list[dict[str, Any]]:
     """One row per sample, for results.jsonl."""
-    return [
-        {
-            "benchmark": benchmark,
-            "doc_id": t.task["doc_id"],
-            "sample": t.sample_index,
-            "category": t.task.get("category"),
-            "solution": t.task["solution"],
-            "answer": t.answer,
-            "accuracy": t.rewards.get("accuracy"),
-            "valid": is_valid(t),
-            "end_reason": t.end_reason,
-            "turns": t.num_turns,
-            "tool_calls": t.num_tool_calls,
-            "format_errors": t.num_format_errors,
-            "generated_tokens": t.generated_tokens,
-        }
-        for t in trajectories
-    ]
+    return [_record(s).row(benchmark) for s in samples]

@@ -31,13 +31,23 @@ class EvalParams(Section):
     """Turn limit at test time; the turn-scaling curve covers 1, 2, 4, ... up to it (Mini-o3 tests up to 32)."""
     temperature: float | None = Field(None, ge=0)
     """Sampling temperature for eval; None keeps rollout.temperature."""
+    chunk_size: int = Field(32, ge=1)
+    """Questions rolled out together (each with its K samples). Eval runs a benchmark a chunk at a time and
+    writes each chunk's trajectories and result rows before the next starts, so its memory (decoded originals,
+    crops, token traces) is bounded by the chunk, not the benchmark. Larger chunks keep the engine busier (a
+    chunk's slowest trajectory holds up the next chunk). Sampled results depend on (seed, chunk_size): the
+    engines draw their random numbers in the loop's order, which the chunking sets (the transformers engine
+    from one torch stream, vLLM a seed per request in order), and no engine can be reseeded per question.
+    Greedy decoding (temperature 0) gives the same outputs whatever the chunking, up to the engine's
+    batch-size numerics (exact on CPU in tests/test_eval_streaming.py). A benchmark no larger than one chunk
+    runs as one batch, exactly as before chunking existed."""
     viewer_trajectories: int = Field(40, ge=0)
     """Trajectories shown in the HTML viewer page."""
     reward: RewardConfig = RewardConfig()
     """How answers are scored (exact match or an LLM judge for free-form answers)."""
 
     @model_validator(mode="after")
-    def _names_unique(self) -> "EvalParams":
+    def _names_unique(self) -> EvalParams:
         names = [b.name for b in self.benchmarks]
         if len(set(names)) != len(names):
             raise ValueError(f"benchmarks: each benchmark may appear once, got {names}")
