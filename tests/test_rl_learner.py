@@ -1,6 +1,9 @@
-"""The learner on the tiny model: trained-token masks, log-prob recomputation, packed vs padded, update sign."""
+"""The learner on the tiny model: trained-token masks, log-prob recomputation, packed vs padded, update sign,
+chunked float32 log-probs and entropies, images processed in the learner's process."""
 
 from __future__ import annotations
+
+import pickle
 
 import pytest
 import torch
@@ -11,7 +14,7 @@ from loupe.config import ProtocolParams, RolloutParams
 from loupe.data.tasks import read_tasks
 from loupe.rollout.engine import TokenTrace
 from loupe.trajectory import Trajectory
-from stages.rl.batching import token_logprobs
+from stages.rl.batching import ImageEncoder, TrainSequence, token_logprobs, token_stats
 from stages.rl.learner import Learner
 from stages.rl.params import RLParams
 from stages.rl.trainer import to_sequence
@@ -70,9 +73,12 @@ def test_only_generated_tokens_are_trained_and_masked_trajectories_train_none():
 def test_recomputed_logprobs_equal_the_samplers(worker, tiny_model_dir, batching, temperature):
     """The learner scores exactly the sampled tokens, at their positions, with the sampler's images, 3D
     positions and temperature: on the same weights its log-probs equal the rollout's."""
-    trajectories = _multi_turn_trajectories(worker, temperature)
+    # Through a pickle, as Ray ships them: the traces arrive without the engine's pixel values, and the learner
+    # computes its own from the images.
+    trajectories = pickle.loads(pickle.dumps(_multi_turn_trajectories(worker, temperature)))
+    assert all(not t.trace.extras for t in trajectories)
     sequences = [to_sequence(t, True, "g") for t in trajectories]
-    assert all(s.image_grid_thw.shape[0] == 2 for s in sequences)  # question image + one crop each
+    assert all(len(s.images) == 2 for s in sequences)  # question image + one crop each
     learner = Learner(tiny_model_dir, _params(batching=batching), temperature, generation_budget=16)
     recomputed = learner.logprobs(sequences)
     for seq, new in zip(sequences, recomputed):
@@ -85,7 +91,9 @@ def test_packed_and_padded_agree_on_logprobs_and_gradients(worker, tiny_model_di
     results = {}
     for mode in ("packed", "padded"):
         learner = Learner(tiny_model_dir, _params(batching=mode), 1.0, generation_budget=16)
-        logprobs, entropy = token_logprobs(learner.model, sequences, mode, 1.0, learner.pad_id, with_entropy=True)
+        logprobs, entropy = token_logprobs(
+            learner.model, sequences, mode, 1.0, learner.pad_id, entropy="grad", images=learner.images
+        )
         (logprobs.sum() + 0.1 * entropy.sum()).backward()
         grads = {n: p.grad.clone() for n, p in learner.model.named_parameters() if p.grad is not None}
         results[mode] = (logprobs.detach(), grads)
@@ -156,9 +164,170 @@ def test_vision_markers_are_never_sampled_and_never_trained(tiny_model_dir, toy_
 def test_split_evenly_keeps_order_and_balances_the_parts():
     from stages.rl.batching import split_evenly
 
-    for n in range(0, 12):
+    for n in range(12):
         for parts in range(1, 6):
             chunks = split_evenly(list(range(n)), parts)
             sizes = [len(c) for c in chunks]
             assert len(chunks) == parts and max(sizes) - min(sizes) <= 1
             assert [x for c in chunks for x in c] == list(range(n))
+
+
+# --- chunked float32 log-probs and entropies -------------------------------------------------------------------
+
+
+def _full_vocabulary_reference(learner, sequences, mode, temperature):
+    """The straightforward implementation this module replaced: every kept logit row as float32, log_softmax
+    over the whole vocabulary, entropy from the log-probs."""
+    from stages.rl.batching import packed_inputs, padded_inputs
+
+    encoded = [learner.images(s) for s in sequences]
+    targets = torch.cat([s.input_ids[s.positions] for s in sequences])
+    if mode == "packed":
+        inputs, _ = packed_inputs(learner.model, sequences, "cpu", encoded)
+        logits = learner.model(**inputs, use_cache=False).logits[0]
+    else:
+        inputs, index = padded_inputs(learner.model, sequences, "cpu", learner.pad_id, encoded)
+        logits = learner.model(**inputs, use_cache=False).logits.flatten(0, 1)[index]
+    log_probs = (logits.float() / temperature).log_softmax(-1)
+    return log_probs.gather(1, targets[:, None]).squeeze(1), -(log_probs.exp() * log_probs).sum(-1)
+
+
+@pytest.mark.parametrize("mode", ["packed", "padded"])
+def test_chunked_logprobs_and_entropy_equal_a_full_log_softmax(worker, tiny_model_dir, mode):
+    sequences = [to_sequence(t, True, "g") for t in _multi_turn_trajectories(worker, 0.7)]
+    total = sum(s.num_trained for s in sequences)
+    learner = Learner(tiny_model_dir, _params(batching=mode), 0.7, generation_budget=16)
+    results = []
+    for compute in ("reference", "chunked"):
+        learner.model.zero_grad(set_to_none=True)
+        if compute == "reference":
+            logprobs, entropy = _full_vocabulary_reference(learner, sequences, mode, 0.7)
+        else:  # chunks of 4 rows: several full chunks and a short last one
+            assert total % 4 and total > 8
+            logprobs, entropy = token_logprobs(
+                learner.model, sequences, mode, 0.7, learner.pad_id, entropy="grad", images=learner.images, chunk=4
+            )
+        (logprobs.sum() + 0.1 * entropy.sum()).backward()
+        grads = {n: p.grad.clone() for n, p in learner.model.named_parameters() if p.grad is not None}
+        results.append((logprobs.detach(), entropy.detach(), grads))
+    (ref_lp, ref_h, ref_grads), (lp, h, grads) = results
+    assert lp.dtype == h.dtype == torch.float32 and lp.shape == (total,)
+    assert torch.allclose(lp, ref_lp, atol=1e-5, rtol=0), (lp - ref_lp).abs().max()
+    assert torch.allclose(h, ref_h, atol=1e-5, rtol=0), (h - ref_h).abs().max()
+    assert grads.keys() == ref_grads.keys() and grads
+    for name, grad in grads.items():
+        assert torch.allclose(grad, ref_grads[name], atol=1e-6, rtol=1e-4), name
+
+
+def test_chunked_logprobs_keep_no_float32_vocabulary_rows_for_the_backward():
+    """What autograd saves for the backward: the straightforward form keeps float32 (tokens x vocabulary) tensors
+    (the log-softmax output, its exponential); the chunked form recomputes each chunk in the backward instead, and
+    its gradient is the same."""
+    torch.manual_seed(0)
+    rows, vocab = 40, 3001
+    logits = torch.randn(rows, vocab, dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.randint(0, vocab, (rows,))
+
+    def saved_vocab_rows(compute):
+        saved: list[tuple] = []
+
+        def pack(t):
+            if t.dim() == 2 and t.shape[-1] == vocab and t.untyped_storage().data_ptr() != logits.untyped_storage().data_ptr():
+                saved.append((tuple(t.shape), t.dtype))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            logprobs, entropy = compute()
+        logits.grad = None
+        (logprobs.sum() + 0.1 * entropy.sum()).backward()
+        return saved, logits.grad.clone()
+
+    def straightforward():
+        log_probs = logits.float().log_softmax(-1)
+        return log_probs.gather(1, targets[:, None]).squeeze(1), -(log_probs.exp() * log_probs).sum(-1)
+
+    kept, expected = saved_vocab_rows(straightforward)
+    assert (rows, vocab) in [shape for shape, _ in kept]
+    kept, found = saved_vocab_rows(lambda: token_stats(logits, targets, entropy="grad", chunk=16))
+    assert kept == []
+    assert torch.allclose(found.float(), expected.float(), atol=1e-3)
+
+
+def test_entropy_is_computed_only_as_far_as_it_is_needed(tiny_model_dir, worker, toy_dir, monkeypatch):
+    import stages.rl.learner as learner_module
+    from stages.rl.loss import LossConfig, policy_loss
+
+    sequences = [to_sequence(t, True, "g") for t in _multi_turn_trajectories(worker, 1.0)][:2]
+    for s in sequences:
+        s.advantage = 1.0
+    learner = Learner(tiny_model_dir, _params(), 1.0, generation_budget=16)
+    off = token_logprobs(learner.model, sequences, "padded", 1.0, learner.pad_id, images=learner.images)
+    detached = token_logprobs(learner.model, sequences, "padded", 1.0, learner.pad_id, entropy="detached", images=learner.images)
+    graph = token_logprobs(learner.model, sequences, "padded", 1.0, learner.pad_id, entropy="grad", images=learner.images)
+    assert off[1] is None
+    assert off[0].requires_grad and not detached[1].requires_grad and graph[1].requires_grad
+    assert torch.allclose(detached[1], graph[1].detach()) and float(detached[1].min()) > 0
+
+    # The update asks for a graph only when the loss has an entropy bonus, and logs the entropy either way.
+    modes: list[str] = []
+    real = learner_module.token_logprobs
+    monkeypatch.setattr(learner_module, "token_logprobs", lambda *a, **k: modes.append(k.get("entropy", "off")) or real(*a, **k))
+    assert learner.update(sequences)["entropy"] == pytest.approx(float(graph[1].detach().mean()), rel=1e-4)
+    bonus = Learner(tiny_model_dir, _params(entropy_coef=0.01), 1.0, generation_budget=16)
+    assert bonus.update(sequences)["entropy"] > 0
+    assert modes == ["detached", "grad"]
+
+    # A positive coefficient with an entropy that carries no graph would silently drop the bonus's gradient.
+    with pytest.raises(ValueError, match="entropy bonus needs"):
+        policy_loss(graph[0], graph[0].detach(), torch.ones_like(graph[0]), 1.0, LossConfig(entropy_coef=0.1), entropy=detached[1])
+
+
+# --- images: uint8 across processes, pixel values in the learner's ----------------------------------------------
+
+
+def test_a_pickled_token_trace_leaves_its_extras_behind():
+    image = Image.new("RGB", (56, 56), "red")
+    trace = TokenTrace(images=[image])
+    trace.append([1, 2, 3], generated=False)
+    trace.append([4], generated=True, logprobs=[-0.5])
+    trace.extras["pixel_values"] = [torch.zeros(16, 1176)]
+    restored = pickle.loads(pickle.dumps(trace))
+    assert restored.extras == {}
+    assert restored.input_ids == trace.input_ids and restored.generated == trace.generated and restored.logprobs == trace.logprobs
+    assert restored.images[0].tobytes() == image.tobytes()
+    assert len(trace.extras["pixel_values"]) == 1  # the original keeps its own
+    assert len(pickle.dumps(trace)) < 16 * 1176 * 4  # the float32 pixels alone would be 75 KB
+
+
+def test_the_learner_computes_the_engines_pixel_values_once_per_image(worker, tiny_model_dir, toy_dir):
+    # In-process trajectories still hold the engine's pixel values: the learner's own must equal them.
+    trajectories = _multi_turn_trajectories(worker, 1.0)
+    learner = Learner(tiny_model_dir, _params(), 1.0, generation_budget=16)
+    for t in trajectories:
+        pixels, grids = learner.images(to_sequence(t, True, "g"))
+        assert torch.equal(torch.cat(pixels), torch.cat(t.trace.extras["pixel_values"]))
+        assert torch.equal(grids, torch.cat(t.trace.extras["image_grid_thw"]))
+
+    # A group of K samples shares its question image object, through a pickle too: processed once per batch.
+    tasks = read_tasks(toy_dir / "train.jsonl")[:1]
+    group, _ = worker.rollout(tasks, samples=4, seed=5, max_turns=1, max_new_tokens=4)
+    shipped = pickle.loads(pickle.dumps([to_sequence(t, True, "g") for t in group]))
+    assert all(s.images[0] is shipped[0].images[0] for s in shipped)
+    encoder = ImageEncoder(learner.images.image_processor, learner.images.image_token_id)
+    learner.images = encoder
+    learner.logprobs(shipped)
+    learner.update([s for s in shipped if s.num_trained])
+    assert encoder.processed == 1
+
+
+def test_a_trace_whose_image_pads_do_not_match_the_learners_processor_is_refused(worker, tiny_model_dir):
+    t = _multi_turn_trajectories(worker, 1.0)[0]
+    learner = Learner(tiny_model_dir, _params(), 1.0, generation_budget=16)
+    seq = to_sequence(t, True, "g")
+    learner.logprobs([seq])  # as rolled out: fine
+    bigger = TrainSequence(seq.input_ids, seq.positions, 0.0, seq.old_logprobs, [Image.new("RGB", (224, 224)), seq.images[1]], traj_id="t0")
+    with pytest.raises(ValueError, match=r"trajectory t0: the rollout's token ids hold 2 image\(s\) of \[12, 4\] image-pad tokens.*\[64, 4\]"):
+        learner.logprobs([bigger])
+    missing = TrainSequence(seq.input_ids, seq.positions, 0.0, seq.old_logprobs, seq.images[:1], traj_id="t0")
+    with pytest.raises(ValueError, match="same processor settings"):
+        learner.logprobs([missing])

@@ -41,7 +41,15 @@ class TokenTrace:
     images: list[Image.Image] = field(default_factory=list, repr=False)
     """The images exactly as the model saw them, in placeholder order."""
     extras: dict[str, Any] = field(default_factory=dict, repr=False)
-    """Engine-specific tensors (processed pixel values, grid sizes) kept for re-use, never serialised."""
+    """Engine-specific tensors (processed pixel values, grid sizes) kept for re-use, never serialised: a pickled
+    trace (a Ray actor's result) comes back with it empty."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The trace without `extras`: its float32 pixel values are 8x the uint8 images they come from
+        (24 bytes a pixel), and whoever consumes a trace elsewhere recomputes them from `images`."""
+        state = dict(self.__dict__)
+        state["extras"] = {}
+        return state
 
     def append(self, ids: list[int], generated: bool, logprobs: list[float] | None = None) -> None:
         self.input_ids += ids

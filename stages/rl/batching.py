@@ -2,7 +2,11 @@
 
 A `TrainSequence` is one trajectory as the learner sees it: the rollout's token ids (token-in/token-out, never
 re-tokenised), the positions of the tokens it trains (model-generated tokens only, and none for a masked
-trajectory), their old and reference log-probs, its advantage, and the images' processed pixels.
+trajectory), their old and reference log-probs, its advantage, and the dialogue's images as the model saw them.
+
+Images cross processes as uint8 PIL images (3 bytes a pixel; a group's samples share their question image, and
+a pickle writes a shared object once). Pixel values, 24 bytes a pixel in float32 (3 channels x 2 temporal
+copies x 4 bytes), are computed where they are consumed, in the learner's process, by `ImageEncoder`.
 
 `token_logprobs(model, sequences, mode, temperature)` returns the log-prob (and entropy) of every trained
 token, flat, sequence by sequence in position order, either way:
@@ -14,14 +18,31 @@ token, flat, sequence by sequence in position order, either way:
 
 Logits are computed only where a trained token is predicted (`logits_to_keep`): a 152k vocabulary times
 every prompt and image token would not fit. The temperature divides the logits exactly as the sampler did.
+From the logits (bf16 under mixed precision), log-probs and entropies are computed in float32 a chunk of
+trained tokens at a time, so no full-vocabulary float32 copy of all the logits ever exists (`token_stats`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+from PIL import Image
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.utils.checkpoint import checkpoint
+
+from stages.rl.precision import autocast_context
+
+EntropyMode = Literal["off", "detached", "grad"]
+"""What `token_logprobs` computes of the entropy: nothing; values for logging, without a graph; values with a
+graph (an entropy bonus in the loss)."""
+
+LOGIT_CHUNK = 256
+"""Trained tokens whose full-vocabulary float32 rows exist at once: 256 x 152k x 4 bytes = 0.15 GB a copy. On
+(2048, 152k) bf16 logits with a backward, peak extra memory was 1.4 GB at 256 rows, 2.1 GB at 512, 3.6 GB at
+1024, and 5.8 GB for the whole-batch float32 log_softmax (this project's CPU; docs/rl.md)."""
 
 
 @dataclass
@@ -36,10 +57,9 @@ class TrainSequence:
     """The trajectory's advantage, given to each of its trained tokens."""
     old_logprobs: torch.Tensor
     """(n,) log-probs of the trained tokens under the policy that sampled them (the importance ratio's base)."""
-    pixel_values: torch.Tensor | None = None
-    """Processed pixels of every image of the dialogue, in placeholder order (the processor's rows)."""
-    image_grid_thw: torch.Tensor | None = None
-    """(images, 3) patch grid of each image."""
+    images: list[Image.Image] = field(default_factory=list, repr=False)
+    """The dialogue's images exactly as the model saw them, in placeholder order (the rollout trace's own
+    objects: an image shared by a group's samples stays one object, so it is pickled and processed once)."""
     ref_logprobs: torch.Tensor | None = None
     """(n,) log-probs under the frozen reference policy, when a KL term is on."""
     traj_id: str = ""
@@ -51,6 +71,90 @@ class TrainSequence:
     @property
     def num_trained(self) -> int:
         return int(self.positions.numel())
+
+
+EncodedImages = tuple[list[torch.Tensor], torch.Tensor | None]
+"""A sequence's pixel values (one (patches, dim) tensor per image) and its (images, 3) patch grids."""
+
+
+class ImageEncoder:
+    """Pixel values and patch grids of training sequences' images, computed in the learner's process.
+
+    It calls the model's image processor exactly as the rollout's processor call does inside
+    `loupe.rollout.hf.TokenContextEngine._encode` (`processor(text=..., images=...)` hands the images to
+    `processor.image_processor` with no extra image arguments for Qwen2-VL-family processors); that method also
+    tokenises text, so it is not reused here. One image at a time gives the same rows as a list at once: the
+    processor resizes and patches each image on its own.
+
+    Results are cached per image object (least recently used first out, at most `cache_mb` of pixel values):
+    the K samples of a group share their question image object, so it is processed once, not K times, and a
+    single-process learner reuses a step's pixels across the old-log-prob, reference and update passes. An
+    entry holds its image, so an id in the cache always names the object it was computed for.
+
+    Each sequence's image-pad runs must match what this processor makes of its images: a mismatch (a rollout
+    worker with other pixel limits) would fail deep in the model's forward, or worse, silently misplace the
+    image features, so it is an error here that names the trajectory.
+    """
+
+    def __init__(self, image_processor: Any, image_token_id: int | None, cache_mb: int = 1024):
+        self.image_processor = image_processor
+        self.image_token_id = image_token_id
+        self.merge = int(getattr(image_processor, "merge_size", 1) or 1)
+        self.cache_bytes = int(cache_mb) << 20
+        self._cache: OrderedDict[int, tuple[Image.Image, torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._cached_bytes = 0
+        self.processed = 0
+        """Images run through the processor so far (cache misses)."""
+
+    def encode(self, image: Image.Image) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pixel values, (1, 3) grid) of one image, from the cache when this very object was seen."""
+        hit = self._cache.get(id(image))
+        if hit is not None and hit[0] is image:
+            self._cache.move_to_end(id(image))
+            return hit[1], hit[2]
+        out = self.image_processor(images=[image], return_tensors="pt")
+        pixels, grid = out["pixel_values"], out["image_grid_thw"]
+        self.processed += 1
+        size = pixels.numel() * pixels.element_size()
+        if size <= self.cache_bytes:
+            self._cache[id(image)] = (image, pixels, grid)
+            self._cached_bytes += size
+            while self._cached_bytes > self.cache_bytes:
+                _, (_, old, _) = self._cache.popitem(last=False)
+                self._cached_bytes -= old.numel() * old.element_size()
+        return pixels, grid
+
+    def __call__(self, sequence: TrainSequence) -> EncodedImages:
+        encoded = [self.encode(image) for image in sequence.images]
+        grids = torch.cat([grid for _, grid in encoded]) if encoded else None
+        self.check_placeholders(sequence, grids)
+        return [pixels for pixels, _ in encoded], grids
+
+    def check_placeholders(self, sequence: TrainSequence, grids: torch.Tensor | None) -> None:
+        """Raise unless the sequence's runs of image-pad ids are, image by image, as long as the processor's
+        patch count (grid t x h x w / merge^2) for its images."""
+        if self.image_token_id is None:
+            return
+        found = pad_runs(sequence.input_ids, self.image_token_id)
+        expected = [] if grids is None else (grids.prod(-1) // self.merge**2).tolist()
+        if found != expected:
+            raise ValueError(
+                f"trajectory {sequence.traj_id or '?'}: the rollout's token ids hold {len(found)} image(s) of "
+                f"{found} image-pad tokens, but the learner's image processor makes {expected} for the trace's "
+                f"{len(sequence.images)} image(s) (grids {[] if grids is None else grids.tolist()}); the rollout "
+                "engine and the learner must process images with the same processor settings (the model folder's "
+                "preprocessor_config.json: min_pixels, max_pixels, patch and merge size)"
+            )
+
+
+def pad_runs(input_ids: torch.Tensor, token_id: int) -> list[int]:
+    """Lengths of the runs of `token_id` in `input_ids`, in order (one run per image placeholder)."""
+    where = (input_ids == token_id).nonzero().squeeze(1)
+    if not where.numel():
+        return []
+    starts = torch.cat([torch.tensor([0]), (where[1:] != where[:-1] + 1).nonzero().squeeze(1) + 1])
+    ends = torch.cat([starts[1:], torch.tensor([where.numel()])])
+    return (ends - starts).tolist()
 
 
 def split_evenly(items: list[Any], parts: int) -> list[list[Any]]:
@@ -81,19 +185,22 @@ def mrope_positions(model: Any, input_ids: torch.Tensor, image_grid_thw: torch.T
     return torch.arange(len(input_ids)).expand(3, -1)
 
 
-def _images(sequences: list[TrainSequence], device: Any, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    pixels = [s.pixel_values for s in sequences if s.pixel_values is not None]
+def _images(encoded: list[EncodedImages], device: Any, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    pixels = [p for rows, _ in encoded for p in rows]
     if not pixels:
         return {}
-    grids = [s.image_grid_thw for s in sequences if s.image_grid_thw is not None]
+    grids = [grid for _, grid in encoded if grid is not None]
     return {"pixel_values": torch.cat(pixels).to(device, dtype), "image_grid_thw": torch.cat(grids).to(device)}
 
 
-def packed_inputs(model: Any, sequences: list[TrainSequence], device: Any) -> tuple[dict[str, Any], torch.Tensor]:
-    """Model inputs for one packed row, and the row index of each trained token's predicting logit."""
+def packed_inputs(
+    model: Any, sequences: list[TrainSequence], device: Any, encoded: list[EncodedImages]
+) -> tuple[dict[str, Any], None]:
+    """Model inputs for one packed row (`encoded`: each sequence's images, from `ImageEncoder`). The logits
+    come back for the trained tokens only, in order, so no index into them is needed (None)."""
     ids = torch.cat([s.input_ids for s in sequences])[None]
     text = torch.cat([torch.arange(len(s)) for s in sequences])[None]
-    rope = torch.cat([mrope_positions(model, s.input_ids, s.image_grid_thw) for s in sequences], dim=1)[:, None]
+    rope = torch.cat([mrope_positions(model, s.input_ids, grid) for s, (_, grid) in zip(sequences, encoded)], dim=1)[:, None]
     offsets = torch.tensor([0] + [len(s) for s in sequences[:-1]]).cumsum(0)
     keep = torch.cat([s.positions - 1 + offset for s, offset in zip(sequences, offsets.tolist())])
     inputs = {
@@ -101,23 +208,24 @@ def packed_inputs(model: Any, sequences: list[TrainSequence], device: Any) -> tu
         "position_ids": torch.cat([text[None], rope], dim=0).to(device),  # (4, 1, T): text row first
         "attention_mask": None,
         "logits_to_keep": keep.to(device),
-        **_images(sequences, device, model.dtype),
+        **_images(encoded, device, model.dtype),
     }
-    return inputs, torch.zeros(len(keep), dtype=torch.long)
+    return inputs, None
 
 
 def padded_inputs(
-    model: Any, sequences: list[TrainSequence], device: Any, pad_id: int
-) -> tuple[dict[str, Any], tuple[torch.Tensor, torch.Tensor]]:
-    """Model inputs for right-padded rows, and (row, column) of each trained token's predicting logit."""
+    model: Any, sequences: list[TrainSequence], device: Any, pad_id: int, encoded: list[EncodedImages]
+) -> tuple[dict[str, Any], torch.Tensor]:
+    """Model inputs for right-padded rows, and for each trained token the index of its predicting logit in
+    the (rows x kept columns) logits flattened to one row per position."""
     width = max(len(s) for s in sequences)
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     attention = torch.zeros((len(sequences), width), dtype=torch.long)
     rope = torch.zeros((3, len(sequences), width), dtype=torch.long)
-    for row, s in enumerate(sequences):
+    for row, (s, (_, grid)) in enumerate(zip(sequences, encoded)):
         ids[row, : len(s)] = s.input_ids
         attention[row, : len(s)] = 1
-        rope[:, row, : len(s)] = mrope_positions(model, s.input_ids, s.image_grid_thw)
+        rope[:, row, : len(s)] = mrope_positions(model, s.input_ids, grid)
     low = min(int(s.positions.min()) for s in sequences if s.num_trained) - 1
     high = max(int(s.positions.max()) for s in sequences if s.num_trained)
     rows = torch.cat([torch.full((s.num_trained,), row) for row, s in enumerate(sequences)])
@@ -127,9 +235,68 @@ def padded_inputs(
         "attention_mask": attention.to(device),
         "position_ids": rope.to(device),
         "logits_to_keep": torch.arange(low, high, device=device),
-        **_images(sequences, device, model.dtype),
+        **_images(encoded, device, model.dtype),
     }
-    return inputs, (rows, cols)
+    return inputs, rows * (high - low) + cols
+
+
+def _token_stats(
+    logits: torch.Tensor, index: torch.Tensor | None, targets: torch.Tensor, temperature: float, entropy: EntropyMode
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk: float32 log-prob of each target (logit[target] - logsumexp(logits)) and, if asked, the
+    entropy (logsumexp - sum softmax * logits), from the chunk's rows of `logits` (`index` picks them, or all)."""
+    rows = logits if index is None else logits.index_select(0, index)
+    z = rows.float()
+    if temperature != 1.0:
+        z = z / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    chosen = z.gather(1, targets[:, None]).squeeze(1) - lse
+    if entropy == "off":
+        return chosen, None
+    with torch.set_grad_enabled(torch.is_grad_enabled() and entropy == "grad"):
+        return chosen, lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+
+
+def token_stats(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    entropy: EntropyMode = "off",
+    index: torch.Tensor | None = None,
+    chunk: int = LOGIT_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of `targets` (and entropies) from (rows, vocab) `logits`, `chunk` trained tokens at a time.
+
+    `index` (optional) names the row of each target; without it row i predicts targets[i]. Each chunk is
+    cast to float32 on its own, so at most one chunk's full-vocabulary float32 rows exist at a time (the
+    per-row and chunked loops of verl's `verl/utils/torch_functional.py`, `logprobs_from_logits_v2` and
+    `entropy_from_logits_with_chunking`, for the same reason). With a graph, each chunk runs under
+    non-reentrant activation checkpointing (as verl's `entropy_checkpointing` does for entropy in
+    `verl/workers/actor/dp_actor.py`): otherwise autograd would keep every chunk's float32 rows (and softmax,
+    for an entropy with a graph) until the backward pass, the whole-batch copy chunking is meant to avoid; the
+    backward recomputes one chunk at a time instead.
+
+    `entropy`: "off" computes none (None), "detached" computes it without a graph (for logging, when the loss
+    has no entropy term), "grad" with one (an entropy bonus).
+    """
+    total = len(targets)
+    chosen, entropies = [], []
+    grad = torch.is_grad_enabled() and logits.requires_grad
+    for start in range(0, total, chunk):
+        end = min(start + chunk, total)
+        part = (logits[start:end], None) if index is None else (logits, index[start:end])
+        if grad:
+            found, h = checkpoint(_token_stats, *part, targets[start:end], temperature, entropy, use_reentrant=False)
+        else:
+            found, h = _token_stats(*part, targets[start:end], temperature, entropy)
+        chosen.append(found)
+        if h is not None:
+            entropies.append(h)
+    empty = logits.new_zeros(0, dtype=torch.float32)
+    out = torch.cat(chosen) if chosen else empty
+    if entropy == "off":
+        return out, None
+    return out, torch.cat(entropies) if entropies else empty
 
 
 def token_logprobs(
@@ -138,25 +305,34 @@ def token_logprobs(
     mode: Literal["packed", "padded"] = "packed",
     temperature: float = 1.0,
     pad_id: int = 0,
-    with_entropy: bool = False,
+    entropy: EntropyMode = "off",
+    images: ImageEncoder | None = None,
+    precision: MixedPrecisionPolicy | None = None,
+    chunk: int = LOGIT_CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (and entropies) of every trained token of `sequences`, flat in sequence then position order."""
+    """Log-probs (and entropies, see `token_stats`) of every trained token of `sequences`, flat in sequence then
+    position order, float32.
+
+    `images` computes the sequences' pixel values (needed as soon as one has an image). `precision`: a
+    `precision.fsdp_mixed_precision` policy to autocast the forward to (an unsharded model; a sharded one
+    casts itself and gets None); the log-prob arithmetic stays in float32 either way.
+    """
     sequences = [s for s in sequences if s.num_trained]
     device = next(model.parameters()).device
     if not sequences:
         empty = torch.zeros(0, device=device)
-        return empty, (empty if with_entropy else None)
+        return empty, (None if entropy == "off" else empty)
+    if images is None and any(s.images for s in sequences):
+        raise ValueError("token_logprobs: these sequences hold images; pass images=ImageEncoder(...) to process them")
+    encoded: list[EncodedImages] = [images(s) if images is not None else ([], None) for s in sequences]
     targets = torch.cat([s.input_ids[s.positions] for s in sequences]).to(device)
     if mode == "packed":
-        inputs, _ = packed_inputs(model, sequences, device)
-        logits = model(**inputs, use_cache=False).logits[0]
+        inputs, index = packed_inputs(model, sequences, device, encoded)
     elif mode == "padded":
-        inputs, (rows, cols) = padded_inputs(model, sequences, device, pad_id)
-        logits = model(**inputs, use_cache=False).logits[rows.to(device), cols.to(device)]
+        inputs, index = padded_inputs(model, sequences, device, pad_id, encoded)
     else:
         raise ValueError(f"unknown batching mode {mode!r}; use 'packed' or 'padded'")
-    logits = logits.float() / temperature
-    log_probs = logits.log_softmax(-1)
-    chosen = log_probs.gather(1, targets[:, None]).squeeze(1)
-    entropy = -(log_probs.exp() * log_probs).sum(-1) if with_entropy else None
-    return chosen, entropy
+    with autocast_context(precision, device):
+        logits = model(**inputs, use_cache=False).logits
+    logits = logits.flatten(0, 1)  # packed (1, n, V) or padded (rows, kept columns, V): one row per position
+    return token_stats(logits, targets, temperature, entropy, None if index is None else index.to(device), chunk)

@@ -10,6 +10,13 @@ workers.LearnerGroup under a torch.distributed process group), the policy is sha
 (`torch.distributed.fsdp.fully_shard`, per decoder layer and vision block, then the root); each rank runs
 its own share of the micro-batches and gradients are summed across ranks (each rank's loss uses the global
 normaliser and is scaled by the rank count, which FSDP's gradient averaging divides back out).
+
+Precision (`rl.mixed_precision`, stages/rl/precision.py): the policy's weights and AdamW's moments stay float32;
+with bf16 on (the default on GPU) the forward and backward compute in bf16: FSDP2's `MixedPrecisionPolicy`
+(bf16 parameters, float32 gradient reduction) when sharded, `torch.autocast` otherwise.
+
+Weights leave the learner by broadcast to the rollout engines (`send_weights`, loupe/rollout/weight_sync.py);
+checkpoints are written and read in place by every rank (`save_checkpoint`, torch.distributed.checkpoint).
 """
 
 from __future__ import annotations
@@ -32,16 +39,24 @@ from stages.rl.loss import LossConfig, loss_normaliser, policy_loss
 from stages.rl.params import RLParams
 
 
-def shard_model(model: Any, mesh: Any = None) -> Any:
-    """Shard `model` in place with FSDP2: each decoder layer and vision block, then the root module."""
+def shard_model(model: Any, mesh: Any = None, mp_policy: Any = None) -> Any:
+    """Shard `model` in place with FSDP2: each decoder layer and vision block, then the root module.
+
+    `mp_policy` (`precision.fsdp_mixed_precision`) goes to every `fully_shard`: a module's own policy decides
+    the dtype its weights are gathered in and its gradients reduced in, so one left out would run in float32.
+    On a GPU mesh `fully_shard` moves each rank's shard onto the GPU; the model may be loaded on the CPU.
+    """
     from torch.distributed.fsdp import fully_shard
 
+    options: dict[str, Any] = {"mesh": mesh}
+    if mp_policy is not None:
+        options["mp_policy"] = mp_policy
     inner = model.model
     for layer in inner.language_model.layers:
-        fully_shard(layer, mesh=mesh)
+        fully_shard(layer, **options)
     for block in getattr(inner.visual, "blocks", []):
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, **options)
+    fully_shard(model, **options)
     return model
 
 
@@ -74,6 +89,9 @@ class Learner:
         device: str | None = None,
         distributed: bool = False,
     ):
+        from stages.rl.batching import ImageEncoder
+        from stages.rl.precision import fsdp_mixed_precision
+
         self.params = params
         self.temperature = temperature
         self.generation_budget = generation_budget
@@ -81,28 +99,42 @@ class Learner:
         self.rank = torch.distributed.get_rank() if distributed else 0
         self.world = torch.distributed.get_world_size() if distributed else 1
         self.device = resolve_device(device or params.learner_device)
-        # Float32 on CPU; on GPU bf16 weights with float32 optimiser math is the usual trade. Loaded on CPU first
-        # when sharding, so each rank only ever holds its shard on the GPU.
-        self.model = load_model(model_path, device="cpu" if distributed else self.device)
+        # Float32 master weights, hence float32 AdamW moments, on every device; bf16 compute comes from the
+        # precision policy (stages/rl/precision.py). Loaded on CPU first when sharding: fully_shard moves each
+        # rank's shard to its GPU, so no rank ever holds the whole model there.
+        self.precision = fsdp_mixed_precision(params.mixed_precision, self.device)
+        self.model = load_model(model_path, device="cpu" if distributed else self.device, dtype=torch.float32)
         self.model.config.use_cache = False
         if params.attn_implementation:
             self.model.set_attn_implementation(params.attn_implementation)
         if params.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
+            # Non-reentrant, the form torch.utils.checkpoint recommends: the reentrant one gives a layer no
+            # gradient unless one of its positional inputs requires grad, and none to tensors passed by keyword.
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if distributed:
-            shard_model(self.model)
+            shard_model(self.model, mp_policy=self.precision)
+        # A sharded model casts itself (the policy went to fully_shard); an unsharded one autocasts its forward.
+        self.autocast = None if distributed else self.precision
         self.model.train()
         self.batching = params.batching
         if self.batching == "auto":  # only flash-attention's varlen kernels skip the cross-sequence attention
             attention = str(getattr(self.model.config, "_attn_implementation", "") or "")
             self.batching = "packed" if attention.startswith("flash_attention") else "padded"
-        self.pad_id = load_processor(model_path).tokenizer.pad_token_id or 0
+        processor = load_processor(model_path)
+        self.pad_id = processor.tokenizer.pad_token_id or 0
+        # Pixel values are computed here, in the learner's process, from the traces' uint8 images.
+        self.images = ImageEncoder(
+            processor.image_processor, getattr(self.model.config, "image_token_id", None), params.image_cache_mb
+        )
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=params.lr, betas=params.betas, weight_decay=params.weight_decay
         )
         self.reference = None
         if params.kl.coef > 0:
-            self.reference = load_model(model_path, device=self.device).eval()
+            # Never updated, so kept in the compute dtype (bf16 under mixed precision, as verl's
+            # ActorRolloutRefWorker._build_model_optimizer loads its reference) and autocast like the policy.
+            ref_dtype = self.precision.param_dtype if self.precision is not None else torch.float32
+            self.reference = load_model(model_path, device=self.device, dtype=ref_dtype).eval()
             self.reference.requires_grad_(False)
         self.loss_cfg = LossConfig(
             clip_low=params.clip_low,
@@ -136,10 +168,14 @@ class Learner:
         model = self.reference if reference else self.model
         if model is None:
             raise ValueError("no reference model: kl.coef is 0")
+        precision = self.precision if reference else self.autocast  # the reference is never sharded
         trained = [s for s in sequences if s.num_trained]
         flat: list[torch.Tensor] = []
         for micro in self._micro_batches(trained):
-            found, _ = token_logprobs(model, micro or filler or [], self.batching, self.temperature, self.pad_id)
+            found, _ = token_logprobs(
+                model, micro or filler or [], self.batching, self.temperature, self.pad_id,
+                images=self.images, precision=precision,
+            )
             if micro is not None:
                 flat += list(found.cpu().split([s.num_trained for s in micro]))
         it = iter(flat)
@@ -190,8 +226,11 @@ class Learner:
         return self._summarise(totals, grad_norms, time.perf_counter() - started)
 
     def _backward(self, micro: list[TrainSequence], normaliser: float, scale: float = 1.0) -> dict[str, float]:
+        # The entropy keeps its graph only when the loss has an entropy bonus; otherwise it is computed without
+        # one, chunk by chunk, for update/entropy alone.
         logprobs, entropy = token_logprobs(
-            self.model, micro, self.batching, self.temperature, self.pad_id, with_entropy=True
+            self.model, micro, self.batching, self.temperature, self.pad_id,
+            entropy="grad" if self.loss_cfg.entropy_coef > 0 else "detached", images=self.images, precision=self.autocast,
         )
         device = logprobs.device
         old = torch.cat([s.old_logprobs for s in micro]).to(device)

@@ -66,7 +66,15 @@ def policy_loss(
     ref_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The micro-batch's loss (to call `.backward()` on) and summed statistics over its tokens."""
+    """The micro-batch's loss (to call `.backward()` on) and summed statistics over its tokens.
+
+    `entropy` enters the loss only when `cfg.entropy_coef` is set, and must then carry its graph; without an
+    entropy term it may come detached (computed under no_grad for the statistics, `batching.token_logprobs`'s
+    "detached"), so logging it costs no activation memory. A detached or missing entropy with a positive
+    coefficient would silently drop the bonus's gradient, so it is an error.
+    """
+    if cfg.entropy_coef and logprobs.requires_grad and (entropy is None or not entropy.requires_grad):
+        raise ValueError("entropy_coef > 0: the entropy bonus needs entropies with their graph (token_logprobs entropy='grad')")
     log_ratio = logprobs - old_logprobs
     ratio = log_ratio.clamp(max=20.0).exp()  # a stale old log-prob must not overflow to inf
     unclipped = ratio * advantages

@@ -148,7 +148,16 @@ class RLParams(Section):
     """Torch CPU threads of the stage's own process (learner and in-process workers); None keeps torch's default.
     On a small shared CPU 1 is often fastest: OpenMP threads that wait on a busy core stall every op."""
     gradient_checkpointing: bool = False
-    """Recompute activations in the backward pass (saves memory on large models)."""
+    """Recompute activations in the backward pass (saves memory on large models); non-reentrant
+    `torch.utils.checkpoint`, the form torch recommends (the reentrant one sends no gradient to tensors passed by keyword)."""
+    mixed_precision: Literal["auto", "bf16", "off"] = "auto"
+    """Learner arithmetic: bf16 computes forward and backward in bfloat16 over float32 master weights and float32
+    AdamW moments (FSDP2's MixedPrecisionPolicy when sharded, torch.autocast otherwise; gradients are reduced in
+    float32); off runs float32 throughout; auto is bf16 when the learner's device is CUDA, off on CPU. The learner
+    holds 16 bytes a parameter either way (weights, gradients, two moments), divided over its FSDP ranks."""
+    image_cache_mb: int = Field(1024, ge=0)
+    """MiB of pixel values the learner keeps, per image object, so an image shared by a group's samples (and
+    reused by the old-log-prob, reference and update passes) is processed once (float32: 24 bytes a pixel)."""
 
     checkpoint_every: int = Field(2, ge=1)
     """Steps between checkpoints (policy, optimiser, data position, RNG states); the last step always saves."""

@@ -169,7 +169,9 @@ def _trainable(t: Trajectory, params: RLParams, markers: frozenset[int] = frozen
 
 
 def to_sequence(t: Trajectory, trained: bool, group: str) -> TrainSequence:
-    """The learner's view of a trajectory: its token trace, trained positions and the sampler's log-probs."""
+    """The learner's view of a trajectory: its token trace, trained positions, the sampler's log-probs and the
+    images the model saw (the trace's own uint8 objects; the learner computes their pixel values itself, so
+    no float32 pixels travel to its ranks, and the engine's `trace.extras` is never read)."""
     trace = t.trace
     if trace is None:
         raise ValueError(f"trajectory {t.traj_id} has no token trace; the rl stage needs the transformers or vllm engine")
@@ -177,15 +179,12 @@ def to_sequence(t: Trajectory, trained: bool, group: str) -> TrainSequence:
     generated = torch.tensor(trace.generated, dtype=torch.bool)
     generated[0] = False  # the first token has no logit predicting it (never generated anyway)
     positions = generated.nonzero().squeeze(1) if trained else torch.zeros(0, dtype=torch.long)
-    pixels = trace.extras.get("pixel_values") or []
-    grids = trace.extras.get("image_grid_thw") or []
     return TrainSequence(
         input_ids=ids,
         positions=positions,
         advantage=0.0,
         old_logprobs=torch.tensor(trace.logprobs, dtype=torch.float32)[positions],
-        pixel_values=torch.cat(pixels) if pixels else None,
-        image_grid_thw=torch.cat(grids) if grids else None,
+        images=list(trace.images),
         traj_id=t.traj_id,
         group=group,
     )
