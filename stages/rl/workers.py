@@ -10,6 +10,8 @@
   rules inline, LLM-judge calls on a thread pool so they overlap, answers cached by the judge.
 - `LearnerGroup` runs one `Learner` per GPU under a torch.distributed process group (NCCL on GPU, gloo on
   CPU) with the policy sharded by FSDP2; it hands each rank a share of the batch and returns rank 0's answer.
+  A step's images go into Ray's object store once and reach the ranks by reference; each rank computes their
+  pixel values itself.
 
 `WorkerSet` and `RewardService` give the trainer one interface whether the actors are Ray actors or plain
 objects in this process (`rl.ray.enabled: false`, used by the fast tests), so both paths run the same code.
@@ -39,7 +41,7 @@ from loupe.rewards import (
 from loupe.rollout import Engine, RolloutStats, make_engine, run_rollouts
 from loupe.rollout.weight_sync import free_address
 from loupe.trajectory import Trajectory
-from stages.rl.batching import split_evenly
+from stages.rl.batching import TrainSequence, split_evenly
 from stages.rl.cluster import (
     learner_placement,
     require_on_node,
@@ -318,6 +320,9 @@ class LearnerRank:
     def __init__(self, rank: int, world: int):
         self.rank, self.world = rank, world
         self.learner: Any = None
+        self._images: dict[str, Any] = {}
+        """A step's images by object-store id: every pass of the step sees the same object (the learner's image
+        cache is keyed by object), fetched once per rank."""
 
     def address(self) -> tuple[str, int]:
         return free_address()
@@ -334,7 +339,25 @@ class LearnerRank:
         self.learner = Learner(model_path, params, temperature, budget, device="cuda" if cuda else "cpu", distributed=True)
 
     def call(self, method: str, *args: Any) -> Any:
-        return getattr(self.learner, method)(*args)
+        for arg in args:
+            if isinstance(arg, list):
+                for sequence in arg:
+                    if isinstance(sequence, TrainSequence):
+                        sequence.images = [self._image(ref) for ref in sequence.images]
+        result = getattr(self.learner, method)(*args)
+        if method == "update":  # the step is over; its images are not needed again
+            self._images.clear()
+        return result
+
+    def _image(self, ref: Any) -> Any:
+        import ray
+
+        if not isinstance(ref, ray.ObjectRef):
+            return ref
+        key = ref.hex()
+        if key not in self._images:
+            self._images[key] = ray.get(ref)
+        return self._images[key]
 
 
 class LearnerGroup:
@@ -351,6 +374,26 @@ class LearnerGroup:
         self.ranks = [actor.options(**self.placement.actor_options(r)).remote(r, world) for r in range(world)]
         host, port = ray.get(self.ranks[0].address.remote())
         ray.get([rank.setup.remote(host, port, model_path, params, temperature, budget) for rank in self.ranks])
+        self._image_refs: dict[int, tuple[Any, Any]] = {}
+
+    def _by_reference(self, sequences: list[TrainSequence]) -> list[TrainSequence]:
+        """Copies of `sequences` that carry object-store references instead of images.
+
+        Each distinct image object goes into Ray's object store once per step, on its first call (a group's
+        samples share their question image object); later passes of the step (old log-probs, reference, update)
+        send only the references, and ranks on one node read the same stored copy.
+        """
+        import ray
+
+        out = []
+        for sequence in sequences:
+            refs = []
+            for image in sequence.images:
+                if id(image) not in self._image_refs:  # the entry holds the image, so its id is not reused
+                    self._image_refs[id(image)] = (image, ray.put(image))
+                refs.append(self._image_refs[id(image)][1])
+            out.append(dataclasses.replace(sequence, images=refs))
+        return out
 
     def _all(self, method: str, *per_rank_args: Any, same: tuple = ()) -> list[Any]:
         import ray
@@ -370,6 +413,7 @@ class LearnerGroup:
         return next(([s] for s in sequences if s.num_trained), [])
 
     def logprobs(self, sequences: list[Any], reference: bool = False) -> list[torch.Tensor]:
+        sequences = self._by_reference(sequences)
         shares, filler = self._shares(sequences), self._filler(sequences)
         results = self._all("logprobs", shares, [filler] * self.world, same=(reference,))
         out: list[Any] = [None] * len(sequences)
@@ -379,8 +423,12 @@ class LearnerGroup:
         return out
 
     def update(self, sequences: list[Any]) -> dict[str, float]:
+        sequences = self._by_reference(sequences)
         shares, filler = self._shares(sequences), self._filler(sequences)
-        return self._all("update", shares, [filler] * self.world)[0]
+        try:
+            return self._all("update", shares, [filler] * self.world)[0]
+        finally:
+            self._image_refs.clear()  # the step is over: let the object store free its images
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self._all("state_dict")[0]
