@@ -119,6 +119,39 @@ def test_colocated_mode_generates_with_the_learners_module_and_trains_the_same(t
                     tiny_model_dir, toy_dir)
 
 
+def test_a_sleeping_engine_is_woken_for_the_weights_and_then_its_cache(tiny_model_dir, toy_dir, tmp_path, monkeypatch):
+    """Colocated vLLM's order, step by step: the engine sleeps once the rollout is scored, the learner recomputes
+    and updates on the freed GPU, the engine wakes its weights, receives the broadcast, then wakes its KV cache.
+    (vLLM's sleep and wake_up run on a GPU only; their signatures are checked against vLLM in test_vllm_real.)"""
+    from stages.rl.learner import Learner
+    from stages.rl.workers import WorkerSet
+
+    calls: list[str] = []
+
+    def recorded(cls, name, label=None):
+        original = getattr(cls, name)
+
+        def wrapper(self, *args, **kwargs):
+            calls.append(label(*args) if label else name)
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, name, wrapper)
+
+    recorded(WorkerSet, "sleep")
+    recorded(WorkerSet, "wake_up", lambda tags: f"wake_up {tags}")
+    recorded(WorkerSet, "sync_weights")
+    recorded(WorkerSet, "rollout")
+    recorded(Learner, "logprobs")
+    recorded(Learner, "update")
+    _train(write_params(tmp_path / "p.yaml", {"steps": 1}), tiny_model_dir, toy_dir, tmp_path / "out")
+    step = calls[calls.index("rollout"):]
+    assert step[:6] == ["rollout", "sleep", "logprobs", "update", "wake_up ['weights']", "sync_weights"]
+    assert step[6] == "wake_up ['kv_cache']"
+    with pytest.raises(ValueError, match="colocate"):
+        read_inputs(write_params(tmp_path / "bad.yaml", {"ray": {"enabled": False, "colocate": True}},
+                                 rollout={"engine": "vllm"}), tiny_model_dir, toy_dir)
+
+
 def test_outputs_tracking_validation_kl_and_eval(tiny_model_dir, toy_dir, tmp_path, monkeypatch):
     """One small run with everything on: MLflow, validation, sample pages, KL to a reference; then the eval
     stage scores the model it leaves."""

@@ -104,6 +104,8 @@ def test_engine_args_without_a_platform_stop_at_the_device_config(vllm_python, m
     assert kwargs["worker_extension_cls"] == "loupe.rollout.weight_sync.VLLMWeightSyncExtension"
     assert kwargs["logprobs_mode"] == "processed_logprobs" and kwargs["enable_prefix_caching"] is True
     assert r["not_engine_args_fields"] == []  # every kwarg is an EngineArgs field
+    assert kwargs["enable_sleep_mode"] is False  # True only colocated; a field either way (checked just above)
+    assert r["wake_up_tags_documented"] and r["sleep_levels_documented"]
     assert r["model_config"]["architectures"] == ["Qwen2_5_VLForConditionalGeneration"]
     assert r["model_config"]["limit_per_prompt"] == {"image": 12} and r["model_config"]["max_model_len"] == 8192
     assert r["model_config"]["logprobs_mode"] == "processed_logprobs"

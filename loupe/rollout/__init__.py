@@ -19,8 +19,10 @@ def make_engine(
     seed: int = 0,
     model: Any = None,
     processor: Any = None,
+    sleep_mode: bool = False,
 ) -> Engine:
-    """Build the engine `rollout.engine` names; a loaded `model`/`processor` pair is reused when given."""
+    """Build the engine `rollout.engine` names; a loaded `model`/`processor` pair is reused when given.
+    `sleep_mode`: a vLLM engine that can free its GPU memory while a colocated learner updates."""
     stop = get_protocol(protocol.name).stop
     if rollout.engine == "openai":
         from loupe.rollout.openai_engine import OpenAIEngine
@@ -44,6 +46,7 @@ def make_engine(
             max_images=protocol.max_images,
             max_context_tokens=protocol.max_context_tokens,
             gpu_memory_utilization=rollout.gpu_memory_utilization,
+            enable_sleep_mode=sleep_mode,
         )
     from loupe.models import load_model
     from loupe.rollout.hf import TransformersEngine

@@ -162,6 +162,12 @@ class TokenContextEngine(Engine):
         """Receive one broadcast of the policy (`manifest`'s buckets) and load it; returns the tensors loaded."""
         raise NotImplementedError(f"the {self.name} engine cannot take weights from a learner")
 
+    def sleep(self) -> None:
+        """Give the device's memory back while a colocated learner updates (engines that hold any)."""
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take back what `sleep` gave (["weights"] before a weight sync, ["kv_cache"] after it, None for all)."""
+
     def weights_format(self) -> tuple[str, str]:
         """(dtype, device type) of the engine's weights: the learner sends floating tensors in that dtype, and
         over NCCL when both sides are on CUDA."""

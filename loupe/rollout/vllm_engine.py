@@ -38,6 +38,7 @@ class VLLMEngine(TokenContextEngine):
         max_context_tokens: int = 8192,
         gpu_memory_utilization: float = 0.85,
         dtype: str = "auto",
+        enable_sleep_mode: bool = False,
     ):
         from vllm import LLM
 
@@ -52,6 +53,8 @@ class VLLMEngine(TokenContextEngine):
             enable_prefix_caching=True,
             gpu_memory_utilization=gpu_memory_utilization,
             worker_extension_cls=WORKER_EXTENSION,
+            # Colocated with the learner on one GPU: the engine gives its memory back during each update.
+            enable_sleep_mode=enable_sleep_mode,
             # The sampled token's log-prob after temperature (vLLM's default, raw_logprobs, is the model's own
             # distribution at temperature 1): what the transformers engine records and the learner recomputes.
             # With top_p < 1 it is the renormalised nucleus's; the learner never truncates.
@@ -116,6 +119,15 @@ class VLLMEngine(TokenContextEngine):
             finished.append((state, ids, logprobs or [0.0] * len(ids), finish))
         # Recorded only once every request finished, so a failed call leaves every dialogue as it was.
         return [self._record(*turn) for turn in finished]
+
+    def sleep(self) -> None:
+        """Free the GPU for the learner's update: level 2 drops weights and KV cache, which the next sync and
+        `wake_up` rebuild (vLLM's `LLM.sleep`; verl's colocated rollout does the same)."""
+        self.llm.sleep(level=2)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Reallocate what `sleep` freed: ["weights"] before a weight sync, ["kv_cache"] after it, None for all."""
+        self.llm.wake_up(tags)
 
     def init_weight_sync(self, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float) -> None:
         # Each of the engine's workers (one per tensor-parallel rank) joins as rank + its rank in the engine.

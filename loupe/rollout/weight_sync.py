@@ -235,8 +235,9 @@ class VLLMWeightSyncExtension:
             local_rank = get_world_group().rank
         except (ImportError, AssertionError):  # no vLLM world group (a test harness): one worker per engine
             local_rank = 0
-        # vLLM's WorkerBase holds `device = None` until init_device; a started engine has its GPU here.
-        device = getattr(self, "device", None) or "cpu"
+        # Over gloo (colocated: NCCL refuses two ranks on one GPU) the buckets arrive in host memory and
+        # load_weights copies them to the GPU. vLLM's WorkerBase holds `device = None` until init_device.
+        device = (getattr(self, "device", None) or "cpu") if backend == "nccl" else "cpu"
         self.loupe_sync_group = SyncGroup(host, port, rank_offset + local_rank, world_size, backend, timeout_s, device)
 
     def receive_weights(self, manifest: Manifest) -> int:

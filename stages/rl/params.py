@@ -42,9 +42,11 @@ class RayParams(Section):
     """Environment variable naming an existing cluster to join (`ray://...` or `host:port`); when it is unset
     a local Ray starts with this machine's CPUs."""
     colocate: bool = False
-    """Colocated mode: the rollout engine shares the learner's device and, for the transformers engine, its very
-    module, in the learner's process: no second copy of the model and no weight sync (one GPU, or a laptop).
-    Needs one rollout worker and one learner rank. Not yet for vLLM (see docs/rl.md, Known limits)."""
+    """Colocated mode, for one node and few GPUs: the rollout engine shares the learner's GPU(s). The
+    transformers engine runs in the learner's process on its very module (no second copy, no weight sync; one
+    worker, one learner rank). vLLM runs as Ray actors on a share of the GPU (`gpus_per_worker` below 1,
+    `rollout.gpu_memory_utilization` sized to fit beside the learner), sleeps through each update (weights
+    and KV cache freed) and wakes for the weights, which arrive over gloo (NCCL refuses two ranks on one GPU)."""
     num_workers: int = Field(1, ge=1)
     """Rollout workers; each owns one engine and rolls out its share of the step's prompts."""
     cpus_per_worker: float = Field(0.5, gt=0)

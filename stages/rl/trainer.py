@@ -121,11 +121,17 @@ def read_inputs(params_path: Path, model_path: Path, tasks_dir: Path) -> Inputs:
         raise ValueError(f"{params_path}: rl.temperature: RL needs sampling (temperature > 0), got rollout.temperature 0")
     if rollout.engine == "openai":
         raise ValueError(f"{params_path}: rollout.engine: the openai engine keeps no token ids to train on; use transformers or vllm")
-    if params.ray.colocate and (rollout.engine != "transformers" or params.ray.num_workers != 1 or params.learner_ranks != 1):
+    if params.ray.colocate and rollout.engine == "transformers" and (params.ray.num_workers != 1 or params.learner_ranks != 1):
         raise ValueError(
             f"{params_path}: rl.ray.colocate: colocated mode runs one transformers engine on the learner's own module "
-            f"(rollout.engine: transformers, rl.ray.num_workers: 1, one learner rank); got engine {rollout.engine}, "
-            f"{params.ray.num_workers} workers, {params.learner_ranks} learner ranks"
+            f"(rl.ray.num_workers: 1, one learner rank); got {params.ray.num_workers} workers, "
+            f"{params.learner_ranks} learner ranks"
+        )
+    if params.ray.colocate and rollout.engine == "vllm" and not (params.ray.enabled and params.learner_ranks == 1):
+        raise ValueError(
+            f"{params_path}: rl.ray.colocate: vLLM colocated with the learner runs as a Ray actor on a share of the "
+            f"learner's GPU (rl.ray.enabled: true, gpus_per_worker below 1) beside one learner rank; got "
+            f"{params.learner_ranks} learner ranks"
         )
     if not (Path(model_path) / "config.json").is_file():
         raise FileNotFoundError(f"{model_path}: not a Hugging Face model directory (no config.json)")
@@ -251,7 +257,8 @@ class Trainer:
         self.manifest = plan_manifest(self.learner.weight_specs(), dtype_from_name(dtype), p.sync_bucket_mb << 20)
         # A sharded learner always runs on GPUs; a single one wherever it was put.
         learner_on_gpu = p.learner_ranks > 1 or str(self.learner.device).startswith("cuda")
-        backend = "nccl" if learner_on_gpu and engine_device == "cuda" else "gloo"
+        # NCCL refuses two ranks on one GPU, so an engine colocated on the learner's GPU syncs over gloo.
+        backend = "nccl" if learner_on_gpu and engine_device == "cuda" and not p.ray.colocate else "gloo"
         self.workers.connect_weights(self.learner, 1 + p.ray.num_workers, backend, p.sync_timeout_s)
 
     def _stop(self) -> None:
@@ -314,6 +321,7 @@ class Trainer:
 
         update_started = time.perf_counter()
         update: dict[str, float] = {}
+        self.workers.sleep()  # colocated vLLM gives the GPU to the learner until the weights are back
         if trained:
             if p.logprob_source == "recompute":
                 for s, old in zip(trained, self.learner.logprobs(trained)):
@@ -331,10 +339,13 @@ class Trainer:
                 s.advantage = float(a)
             update = self.learner.update(trained)
             sync_started = time.perf_counter()
+            self.workers.wake_up(["weights"])
             timing["sync_bytes"] = self.workers.sync_weights(self.learner, self.manifest)
+            self.workers.wake_up(["kv_cache"])
             timing["sync"] = time.perf_counter() - sync_started
         else:
             update = {"skipped_update": 1.0}
+            self.workers.wake_up(None)
         timing["update"] = time.perf_counter() - update_started - timing.get("sync", 0.0)
 
         row: dict[str, Any] = {"step": step, "kind": "train", **rollout_metrics(everything)}

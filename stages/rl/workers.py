@@ -64,13 +64,14 @@ class RolloutWorker:
         seed: int = 0,
         index: int = 0,
         model: Any = None,
+        sleep_mode: bool = False,
     ):
         require_on_node({"model (--model)": model_path, "tasks (--tasks)": image_root})
         self.protocol = protocol
         self.image_root = image_root
         self.index = index
         # `model`: the learner's own module (colocated mode); the engine then generates with the live policy.
-        self.engine = make_engine(rollout, protocol, model_path=model_path, seed=seed, model=model)
+        self.engine = make_engine(rollout, protocol, model_path=model_path, seed=seed, model=model, sleep_mode=sleep_mode)
         if type(self.engine).trace is Engine.trace:  # the base class's: this engine keeps no token ids
             raise ValueError(f"rl: the {rollout.engine} engine keeps no token trace; use transformers or vllm")
 
@@ -101,6 +102,12 @@ class RolloutWorker:
 
     def weights_format(self) -> tuple[str, str]:
         return self.engine.weights_format()
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.engine.wake_up(tags)
 
     def weights_digest(self) -> str:
         return self.engine.weights_digest()
@@ -178,6 +185,8 @@ class WorkerSet:
         self.colocated = colocated_model is not None
         self.use_ray = use_ray and not self.colocated
         args = (model_path, rollout, protocol, str(image_root), seed)
+        # vLLM colocated on the learner's GPU(s): a Ray actor with a fraction of the GPU, asleep during updates.
+        self.sleeps = params.ray.colocate and rollout.engine == "vllm"
         if self.colocated:
             self.workers = [RolloutWorker(*args, index=0, model=colocated_model)]
         elif use_ray:
@@ -187,10 +196,10 @@ class WorkerSet:
             self.placement = worker_placement(r.num_workers, r.cpus_per_worker, r.gpus_per_worker,
                                               r.placement_timeout_s, r.worker_resources)
             actor = ray.remote(RolloutWorker)
-            self.workers = [actor.options(**self.placement.actor_options(i)).remote(*args, index=i)
+            self.workers = [actor.options(**self.placement.actor_options(i)).remote(*args, index=i, sleep_mode=self.sleeps)
                             for i in range(r.num_workers)]
         else:
-            self.workers = [RolloutWorker(*args, index=i) for i in range(params.ray.num_workers)]
+            self.workers = [RolloutWorker(*args, index=i, sleep_mode=self.sleeps) for i in range(params.ray.num_workers)]
 
     def _call(self, calls: list[tuple[Any, str, tuple]]) -> list[Any]:
         return self._finish(self._start(calls))
@@ -237,6 +246,15 @@ class WorkerSet:
 
     def weights_digests(self) -> list[str]:
         return self._call([(w, "weights_digest", ()) for w in self.workers])
+
+    def sleep(self) -> None:
+        """Colocated vLLM: free the GPU for the learner's update (a no-op otherwise)."""
+        if self.sleeps:
+            self._call([(w, "sleep", ()) for w in self.workers])
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        if self.sleeps:
+            self._call([(w, "wake_up", (tags,)) for w in self.workers])
 
     def connect_weights(self, learner: Any, world_size: int, backend: str, timeout_s: float) -> None:
         """Form the weight-sync group: the learner's rank 0 as rank 0, worker i as rank 1 + i."""

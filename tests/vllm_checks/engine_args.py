@@ -77,6 +77,12 @@ def check(result: dict) -> None:
     explicit = [name for name in kwargs if name in signature.parameters]
     result["llm_explicit_params"] = explicit
     result["llm_via_kwargs"] = [name for name in kwargs if name not in signature.parameters]
+    # Colocated mode's calls, bound against vLLM's own signatures (they cannot run without a GPU).
+    inspect.signature(real_llm.sleep).bind(None, level=2)
+    inspect.signature(real_llm.wake_up).bind(None, ["weights"])
+    inspect.signature(real_llm.wake_up).bind(None, None)
+    result["wake_up_tags_documented"] = all(t in (real_llm.wake_up.__doc__ or "") for t in ('"weights"', '"kv_cache"'))
+    result["sleep_levels_documented"] = "Level 2" in (real_llm.sleep.__doc__ or "")
     engine_fields = {f.name for f in dataclasses.fields(EngineArgs)}
     result["not_engine_args_fields"] = [name for name in kwargs if name not in engine_fields]
 
