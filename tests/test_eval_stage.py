@@ -25,8 +25,9 @@ def finished(doc_id: str, sample: int, turns: int, end: str, accuracy: float | N
     return t
 
 
-def test_turn_scaling_follows_from_where_each_trajectory_ended():
-    trajectories = [
+def three_questions() -> list[Trajectory]:
+    """Two samples each of three questions, ending in every way the summary counts."""
+    return [
         finished("a", 0, 1, "answered", 1.0),
         finished("a", 1, 3, "answered", 1.0),
         finished("b", 0, 5, "answered", 1.0),
@@ -34,6 +35,10 @@ def test_turn_scaling_follows_from_where_each_trajectory_ended():
         finished("c", 0, 8, "over_turn", 0.0),
         finished("c", 1, 2, "answered", None),  # a judge failure: invalid, left out of every denominator
     ]
+
+
+def test_turn_scaling_follows_from_where_each_trajectory_ended():
+    trajectories = three_questions()
     summary = summarize(trajectories, [1, 2, 4, 8])
     assert summary["turn_scaling"] == {"1": 0.2, "2": 0.2, "4": 0.4, "8": 0.6}
     assert summary["avg@2"] == pytest.approx(0.6) and summary["invalid"] == 1
@@ -46,14 +51,7 @@ def test_summary_from_compact_records_is_byte_for_byte_the_summary_of_whole_traj
     """Eval keeps a SampleRecord per sample, not the trajectory; metrics.json must read as it did when the summary
     was computed from trajectories (the literal is what that implementation wrote, ints where statistics.mean
     gave ints)."""
-    trajectories = [
-        finished("a", 0, 1, "answered", 1.0),
-        finished("a", 1, 3, "answered", 1.0),
-        finished("b", 0, 5, "answered", 1.0),
-        finished("b", 1, 2, "answered", 0.0),
-        finished("c", 0, 8, "over_turn", 0.0),
-        finished("c", 1, 2, "answered", None),
-    ]
+    trajectories = three_questions()
     records = [SampleRecord.of(t) for t in trajectories]
     before = (
         '{"questions": 3, "samples_per_question": 2, "trajectories": 6, "invalid": 1, "avg@2": 0.6, '
