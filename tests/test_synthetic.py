@@ -17,6 +17,7 @@ from PIL import Image
 from pydantic import ValidationError
 
 from loupe.data import synthetic
+from loupe.data.splits import SPLITS
 from loupe.data.synthetic import DIFFICULTIES, QUESTION_KINDS, SyntheticConfig, generate_tasks, make_task
 from loupe.data.synthetic_draw import BACKGROUND_LEVELS, DIGITS, LETTERS, PALETTE, SHAPES, encode_png
 from loupe.data.tasks import TaskRecord, read_tasks
@@ -30,7 +31,7 @@ def tree_bytes(folder: Path) -> dict[str, bytes]:
 
 
 def load(folder: Path) -> dict[str, list[TaskRecord]]:
-    return {split: read_tasks(folder / f"{split}.jsonl", check_images=True) for split in synthetic.SPLITS}
+    return {split: read_tasks(folder / f"{split}.jsonl", check_images=True) for split in SPLITS}
 
 
 def pixels(folder: Path, record: TaskRecord) -> np.ndarray:
@@ -66,7 +67,7 @@ def single_targets(tmp_path_factory) -> Path:
 
 def test_writes_valid_records_for_every_split(mixed):
     records = load(mixed)
-    assert [len(records[s]) for s in synthetic.SPLITS] == [14, 4, 4]
+    assert [len(records[s]) for s in SPLITS] == [14, 4, 4]
     for split, tasks in records.items():
         for index, task in enumerate(tasks):
             assert task.doc_id == f"synth-{split}-{index:06d}"
@@ -388,7 +389,7 @@ def test_config_fills_unnamed_target_sizes_and_documents_every_field():
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 2**32), split=st.sampled_from(synthetic.SPLITS), index=st.integers(0, 10**6),
+@given(seed=st.integers(0, 2**32), split=st.sampled_from(SPLITS), index=st.integers(0, 10**6),
        kind=st.sampled_from(QUESTION_KINDS), difficulty=st.sampled_from(DIFFICULTIES))
 def test_any_seed_gives_a_valid_task(seed, split, index, kind, difficulty):
     cfg = SyntheticConfig(seed=seed, canvas_side=(1024, 1100), clutter_count=(5, 15), kind_mix={kind: 1},

@@ -24,9 +24,7 @@ and `out_dir/images/<split>/<index>.png`. Every task draws from its own random s
 from __future__ import annotations
 
 import math
-import multiprocessing
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -34,8 +32,7 @@ from typing import Annotated, Literal, get_args
 
 import numpy as np
 from PIL import Image
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
-from tqdm import tqdm
+from pydantic import Field, ValidationInfo, field_validator
 
 from loupe.data.synthetic_draw import (
     DIGITS,
@@ -58,14 +55,13 @@ from loupe.data.synthetic_draw import (
     textured_background,
     union_box,
 )
-from loupe.data.tasks import OPTION_LETTERS, TaskRecord, write_tasks
-from loupe.io import atomic_directory
+from loupe.data.tasks import OPTION_LETTERS, TaskRecord
+from loupe.data.splits import SplitConfig, write_splits
 
 Difficulty = Literal["easy", "medium", "hard"]
 QuestionKind = Literal["colour", "shape", "glyph", "count", "position"]
 DIFFICULTIES: tuple[str, ...] = get_args(Difficulty)
 QUESTION_KINDS: tuple[str, ...] = get_args(QuestionKind)
-SPLITS = ("train", "val", "test")
 DIRECTIONS = ("left", "right", "above", "below")
 COLOURS = tuple(PALETTE)
 LETTERS_AND_DIGITS = LETTERS + DIGITS
@@ -86,19 +82,9 @@ _DEFAULT_TARGET_SIZE: dict[str, tuple[float, float]] = {
 }
 
 
-class SyntheticConfig(BaseModel):
-    """How synthetic visual-search tasks are drawn (the `data` section of params.yaml)."""
+class SyntheticConfig(SplitConfig):
+    """How synthetic visual-search tasks are drawn (`data.synthetic` in params.yaml)."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    seed: int = Field(0, ge=0)
-    """Root seed; task i of a split draws from its own stream seeded by (seed, split, i)."""
-    train: int = Field(32, ge=0)
-    """Number of training tasks."""
-    val: int = Field(8, ge=0)
-    """Number of validation tasks."""
-    test: int = Field(8, ge=0)
-    """Number of test tasks (the synthetic benchmark)."""
     canvas_side: tuple[CanvasSide, CanvasSide] = (1024, 2048)
     """[min, max] canvas width and height in pixels, each drawn independently; within 1024..4096."""
     difficulty_mix: dict[Difficulty, Weight] = {"easy": 1.0, "medium": 1.0, "hard": 1.0}
@@ -144,10 +130,6 @@ class SyntheticConfig(BaseModel):
             if lo > hi:
                 raise ValueError(f"target_size.{difficulty}: minimum {lo} is above maximum {hi}")
         return {d: tuple(value.get(d, _DEFAULT_TARGET_SIZE[d])) for d in DIFFICULTIES}
-
-    def split_size(self, split: str) -> int:
-        """Number of tasks of `split`."""
-        return {"train": self.train, "val": self.val, "test": self.test}[split]
 
 
 # ---------------------------------------------------------------------------------------------- scene
@@ -558,45 +540,7 @@ def _make_and_save(cfg: SyntheticConfig, split: str, index: int, folder: Path) -
     return record
 
 
-def _check_replaceable(out_dir: Path) -> None:
-    """Refuse to replace a folder that does not look like an earlier output of this generator."""
-    if out_dir.exists() and not out_dir.is_dir():
-        raise NotADirectoryError(f"{out_dir}: output path exists and is not a folder")
-    if out_dir.is_dir():
-        ours = {f"{s}.jsonl" for s in SPLITS} | {"images"}
-        entries = {p.name for p in out_dir.iterdir()}
-        if entries and not entries & ours:
-            raise FileExistsError(
-                f"{out_dir}: folder holds files that are not synthetic tasks ({sorted(entries)[:5]}); "
-                "refusing to replace it, pick an empty or new folder"
-            )
-
-
 def generate_tasks(out_dir: Path, cfg: SyntheticConfig, progress: bool = False, workers: int = 1) -> dict[str, Path]:
-    """Write `out_dir/{train,val,test}.jsonl` and their images; return {split: jsonl path}.
-
-    The whole folder is built beside `out_dir` and swapped in at the end, so a killed run leaves the previous
-    output (or nothing) rather than a mix; `out_dir` is owned by the generator and replaced whole.
-    `workers` > 1 draws tasks in that many spawned processes (the calling script needs the usual
-    `if __name__ == "__main__":` guard); the files are byte-identical for any `workers`.
-    """
-    out_dir = Path(out_dir)
-    _check_replaceable(out_dir)
-    with atomic_directory(out_dir) as tmp:
-        # Spawned, not forked: forking a process that already runs threads (tqdm's monitor, a caller's
-        # MLflow client) can deadlock the child.
-        spawn = multiprocessing.get_context("spawn")
-        pool = ProcessPoolExecutor(workers, mp_context=spawn) if workers > 1 else None
-        try:
-            for split in SPLITS:
-                count = cfg.split_size(split)
-                (tmp / "images" / split).mkdir(parents=True)
-                args = ([cfg] * count, [split] * count, range(count), [tmp] * count)
-                results = pool.map(_make_and_save, *args, chunksize=4) if pool else map(_make_and_save, *args)
-                records = list(tqdm(results, total=count, desc=f"synthetic {split}", unit="task",
-                                    disable=not progress))
-                write_tasks(records, tmp / f"{split}.jsonl")
-        finally:
-            if pool is not None:
-                pool.shutdown(cancel_futures=True)
-    return {split: out_dir / f"{split}.jsonl" for split in SPLITS}
+    """Write `out_dir/{train,val,test}.jsonl` and their images; return {split: jsonl path}
+    (loupe.data.splits.write_splits: atomic, byte-identical for any `workers`)."""
+    return write_splits(out_dir, cfg, _make_and_save, "synthetic", progress, workers)

@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -341,3 +343,14 @@ def write_tasks(records: list[TaskRecord], path: str | Path) -> None:
 
     lines = [json.dumps(r.model_dump(exclude_none=True), ensure_ascii=False) for r in records]
     atomic_write_text(Path(path), "".join(line + "\n" for line in lines))
+
+
+def chance_rate(records: Sequence[TaskRecord]) -> float:
+    """Accuracy of guessing without looking: for free-form records the commonest answer's share (the best
+    constant guess), for choice records 1 / option count; averaged over the records."""
+    if not records:
+        return 0.0
+    free = [r.solution for r in records if not r.is_choice]
+    choice = sum(1.0 / len(r.options or []) for r in records if r.is_choice)
+    best_constant = max(Counter(free).values()) if free else 0
+    return (best_constant + choice) / len(records)

@@ -1,14 +1,16 @@
 """Zoom tasks: a question whose answer is legible only after zooming, at a place the downscaled view shows.
 
 Each task is a canvas (1024-1536 px a side by default) on the synthetic tasks' muted textured background
-with one or more square **frames** (thick, visible at the downscaled view the model is first shown) and
-in the centre of each frame a small solid **patch** of one answer colour. The question names one frame by
-its colour and asks for the colour of the patch inside it::
+with one or more square **frames** (thick, visible at the downscaled view the model is first shown) near
+the centres of a 3x3 grid, and in the centre of each frame a small solid **patch** of one answer colour.
+The question names one frame by its colour and its cell, and asks for the colour of the patch inside it::
 
-    What colour is the small square inside the black frame? Answer with one colour word.
+    What colour is the small square inside the black frame in the upper left part of the image?
+    Answer with one colour word.
 
-The patch is a few pixels at the downscaled view (where bicubic resampling mixes it with its surroundings)
-and tens of pixels in a crop of the frame, so the crop tool is necessary and where to crop is visible.
+The patch is about 5 pixels at the downscaled view (where bicubic resampling mixes it with its surroundings)
+and a vision token or more in a zoom on its cell, so the crop tool is necessary, and where to crop is both
+named and visible.
 Small **decoy** patches of the answer colours are scattered over the canvas away from the frames, so the
 colours of the whole view say nothing about the answer. Everything that makes it harder is a knob
 (`ZoomTaskConfig`): more frames (the question must be read to pick one), no grid (free placement, so boxes
@@ -28,40 +30,38 @@ from its own random stream seeded by (seed, split, index), so a config always gi
 from __future__ import annotations
 
 import math
-import multiprocessing
-from collections import Counter
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Annotated, Literal
 
 import numpy as np
 from PIL import Image
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
-from tqdm import tqdm
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from loupe.data.synthetic_draw import PALETTE, Box, Canvas, encode_png, textured_background
-from loupe.data.tasks import OPTION_LETTERS, TaskRecord, write_tasks
-from loupe.io import atomic_directory
+from loupe.data.tasks import OPTION_LETTERS, TaskRecord
+from loupe.data.splits import SplitConfig, write_splits
 
-SPLITS = ("train", "val", "test")
 # Stream ids apart from the synthetic generator's (1, 2, 3), so the two families never share a canvas.
 _SPLIT_STREAMS = {"train": 101, "val": 102, "test": 103}
 _MAX_ATTEMPTS = 20
 DATA_SOURCE = "zoom"
+
+CELL_NAMES = {
+    2: ("upper left part", "upper right part", "lower left part", "lower right part"),
+    3: ("upper left part", "upper middle part", "upper right part", "left side", "centre", "right side",
+        "lower left part", "lower middle part", "lower right part"),
+}
+"""Cells of a 2x2 or 3x3 grid in words, row-major (the oracle's reasoning names areas the same way)."""
 
 ColourName = Literal["red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black", "white"]
 CanvasSide = Annotated[int, Field(ge=256, le=4096)]
 Fraction = Annotated[float, Field(gt=0, le=0.3)]
 
 
-class ZoomTaskConfig(BaseModel):
-    """How zoom tasks are drawn (a `data` section variant; every size is a fraction of the canvas's shorter side)."""
+class ZoomTaskConfig(SplitConfig):
+    """How zoom tasks are drawn (`data.zoom` in params.yaml; every size is a fraction of the canvas's shorter side)."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    seed: int = Field(0, ge=0)
-    """Root seed; task i of a split draws from its own stream seeded by (seed, split, i)."""
     train: int = Field(320, ge=0)
     """Number of training tasks."""
     val: int = Field(32, ge=0)
@@ -76,24 +76,35 @@ class ZoomTaskConfig(BaseModel):
     """[min, max] frames per canvas, each with a patch; the question names one by its frame colour."""
     marker_colours: tuple[ColourName, ...] = ("black", "white", "purple", "orange", "pink", "brown")
     """Frame colours (distinct frames on a canvas get distinct colours; none may be an answer colour)."""
-    marker_size: tuple[Fraction, Fraction] = (0.07, 0.10)
+    marker_size: tuple[Fraction, Fraction] = (0.085, 0.09)
     """[min, max] outer side of a frame."""
-    frame_width: float = Field(0.14, gt=0, le=0.3)
+    frame_width: float = Field(0.1, gt=0, le=0.3)
     """Frame line width as a fraction of the frame's side."""
-    patch_size: tuple[Fraction, Fraction] = (0.010, 0.014)
+    patch_size: tuple[Fraction, Fraction] = (0.035, 0.04)
     """[min, max] side of the answer patch (and of the decoys)."""
     decoys: tuple[Annotated[int, Field(ge=0, le=200)], Annotated[int, Field(ge=0, le=200)]] = (8, 16)
-    """[min, max] decoy patches of the answer colours scattered away from the frames."""
-    grid: int | None = Field(3, ge=1, le=6)
+    """[min, max] decoy patches of the answer colours scattered away from the frames (and their view boxes)."""
+    grid: int | None = Field(2, ge=1, le=6)
     """Frames sit at the centres of a grid x grid layout (with `grid_jitter`); None places them anywhere."""
-    grid_jitter: float = Field(0.1, ge=0, le=0.3)
+    grid_jitter: float = Field(0.0, ge=0, le=0.3)
     """Largest shift of a frame from its cell's centre, as a fraction of the cell."""
     answer_format: Literal["free", "choice"] = "free"
     """free: answer with a colour word (exact match); choice: option letters over shuffled colour options."""
+    balanced_answers: bool = True
+    """Answer colours in turn (task i gets colour (i + seed) mod count), so every split's answers are as even
+    as its size allows and the chance rate is 1 / colour count; false draws each answer at random."""
     option_count: int = Field(4, ge=2, le=10)
     """Options of a choice question (capped by the number of colours)."""
-    bbox_target: Literal["marker", "patch"] = "marker"
-    """What the record's `bbox` (the oracle's target) covers: the named frame, or its patch alone."""
+    bbox_target: Literal["view", "marker", "patch"] = "view"
+    """What the record's `bbox` (the oracle's target) covers: `view`, a fixed box of side `view_side` around the
+    centre of the frame's grid cell (one box per cell, so where to zoom is a choice among grid x grid boxes);
+    `marker`, the named frame itself; `patch`, its patch alone."""
+    view_side: float = Field(0.1, gt=0, le=1)
+    """Side of the `view` box, relative to each image side (it must hold any frame its cell can hold)."""
+    location_hint: bool = True
+    """Name the frame's grid cell in the question ("... in the upper left part of the image"): where to zoom
+    is then read from the question and what to answer from the crop, which the tiny model learns in minutes
+    (docs/learning.md). False: the frame must be found by sight, a harder setting. Needs `grid` 2 or 3."""
     png_compress_level: int = Field(1, ge=0, le=9)
     """zlib level of the saved PNGs: lower is faster and larger; pixels are the same at every level."""
 
@@ -119,6 +130,16 @@ class ZoomTaskConfig(BaseModel):
             raise ValueError("marker_colours: a frame colour may not also be an answer colour")
         if len(self.marker_colours) < self.markers[1]:
             raise ValueError(f"marker_colours: {self.markers[1]} frames need as many distinct frame colours")
+        if self.location_hint and self.grid not in CELL_NAMES:
+            raise ValueError("location_hint: cells are named on a 2x2 or 3x3 grid; set grid: 2 or 3, or "
+                             "location_hint: false")
+        if self.bbox_target == "view":
+            if self.grid is None:
+                raise ValueError("bbox_target: view boxes sit on grid cells; set a grid or another bbox_target")
+            reach = self.grid_jitter / self.grid + self.marker_size[1] / 2  # farthest frame edge from the cell centre
+            if reach > self.view_side / 2:
+                raise ValueError(f"view_side: {self.view_side} cannot hold a frame {reach:.3f} from its cell centre; "
+                                 f"use at least {2 * reach:.3f}")
         if self.grid is not None and self.grid * self.grid < self.markers[1]:
             raise ValueError(f"grid: {self.grid}x{self.grid} cells cannot hold {self.markers[1]} frames")
         inner = self.marker_size[0] * (1 - 2 * self.frame_width)
@@ -126,10 +147,6 @@ class ZoomTaskConfig(BaseModel):
             raise ValueError("patch_size: the largest patch must fit well inside the smallest frame's opening "
                              f"(at most {0.6 * inner:.4f})")
         return self
-
-    def split_size(self, split: str) -> int:
-        """Number of tasks of `split`."""
-        return {"train": self.train, "val": self.val, "test": self.test}[split]
 
 
 class _NoRoom(Exception):
@@ -146,20 +163,21 @@ def _square(centre: tuple[int, int], side: int) -> Box:
 
 
 def _marker_centres(rng: np.random.Generator, cfg: ZoomTaskConfig, canvas: Canvas, count: int,
-                    side: int) -> list[tuple[int, int]]:
-    """Centres of `count` frames `side` px wide: distinct grid cells, or free spots apart from each other."""
+                    side: int) -> tuple[list[tuple[int, int]], list[int | None]]:
+    """Centres of `count` frames `side` px wide and their grid cells (row-major; None without a grid):
+    distinct grid cells, or free spots apart from each other."""
     edge = max(4, side // 4)
     if cfg.grid is not None:
         g = cfg.grid
         cell_w, cell_h = canvas.width / g, canvas.height / g
-        centres = []
-        for cell in rng.permutation(g * g)[:count].tolist():
+        centres, cells = [], rng.permutation(g * g)[:count].tolist()
+        for cell in cells:
             cx = (cell % g + 0.5) * cell_w + rng.uniform(-1, 1) * cfg.grid_jitter * cell_w
             cy = (cell // g + 0.5) * cell_h + rng.uniform(-1, 1) * cfg.grid_jitter * cell_h
             half = side / 2 + edge
             centres.append((round(min(max(cx, half), canvas.width - half)),
                             round(min(max(cy, half), canvas.height - half))))
-        return centres
+        return centres, cells
     centres = []
     footprint = (-(side // 2), -(side // 2), side - side // 2, side - side // 2)
     for _ in range(count):
@@ -168,7 +186,19 @@ def _marker_centres(rng: np.random.Generator, cfg: ZoomTaskConfig, canvas: Canva
             raise _NoRoom
         canvas.reserve(_square(centre, side), side // 2)
         centres.append(centre)
-    return centres
+    return centres, [None] * count
+
+
+
+
+
+def _view_box(cell: int, grid: int, side: float) -> list[float]:
+    """The fixed box of relative side `side` around `cell`'s centre, shifted inside the image, 2 decimals."""
+    box = []
+    for centre in ((cell % grid + 0.5) / grid, (cell // grid + 0.5) / grid):
+        low = min(max(centre - side / 2, 0.0), 1.0 - side)
+        box.append((round(low, 2), round(low + side, 2)))
+    return [box[0][0], box[1][0], box[0][1], box[1][1]]
 
 
 def _relative_box(box: Box, width: int, height: int) -> list[float]:
@@ -181,7 +211,8 @@ def draw_zoom_task(cfg: ZoomTaskConfig, split: str, index: int) -> tuple[TaskRec
     """Task `index` of `split`: its record, its canvas, and the layout (pixel boxes of frames, patches, decoys)."""
     rng = np.random.default_rng([cfg.seed, _SPLIT_STREAMS[split], index])
     count = int(rng.integers(cfg.markers[0], cfg.markers[1] + 1))
-    answer = _pick(rng, cfg.colours)
+    drawn = _pick(rng, cfg.colours)  # drawn either way, so `balanced_answers` changes nothing else
+    answer = cfg.colours[(index + cfg.seed) % len(cfg.colours)] if cfg.balanced_answers else drawn
     for _ in range(_MAX_ATTEMPTS):
         width, height = (int(v) for v in rng.integers(cfg.canvas_side[0], cfg.canvas_side[1] + 1, size=2))
         short = min(width, height)
@@ -189,7 +220,7 @@ def draw_zoom_task(cfg: ZoomTaskConfig, split: str, index: int) -> tuple[TaskRec
         side = max(12, round(rng.uniform(*cfg.marker_size) * short))
         patch = max(2, round(rng.uniform(*cfg.patch_size) * short))
         try:
-            centres = _marker_centres(rng, cfg, canvas, count, side)
+            centres, cells = _marker_centres(rng, cfg, canvas, count, side)
             break
         except _NoRoom:
             continue
@@ -209,6 +240,10 @@ def draw_zoom_task(cfg: ZoomTaskConfig, split: str, index: int) -> tuple[TaskRec
         frames.append(frame)
         patches.append(square)
 
+    if cfg.bbox_target == "view":  # a zoom on a view shows one patch only: decoys stay out of every view box
+        for cell in cells:
+            vx0, vy0, vx1, vy1 = _view_box(cell, cfg.grid, cfg.view_side)
+            canvas.reserve((int(vx0 * width), int(vy0 * height), math.ceil(vx1 * width), math.ceil(vy1 * height)))
     decoys = []
     footprint = (-(patch // 2), -(patch // 2), patch - patch // 2, patch - patch // 2)
     for _ in range(int(rng.integers(cfg.decoys[0], cfg.decoys[1] + 1))):
@@ -220,7 +255,8 @@ def draw_zoom_task(cfg: ZoomTaskConfig, split: str, index: int) -> tuple[TaskRec
         canvas.reserve(square, 2 * patch)
         decoys.append(square)
 
-    ask = f"What colour is the small square inside the {frame_colours[0]} frame?"
+    where = f" in the {CELL_NAMES[cfg.grid][cells[0]]} of the image" if cfg.location_hint else ""
+    ask = f"What colour is the small square inside the {frame_colours[0]} frame{where}?"
     if cfg.answer_format == "choice":
         n = min(cfg.option_count, len(cfg.colours))
         wrong = [c for c in cfg.colours if c != answer]
@@ -229,7 +265,10 @@ def draw_zoom_task(cfg: ZoomTaskConfig, split: str, index: int) -> tuple[TaskRec
         solution, problem = OPTION_LETTERS[options.index(answer)], ask
     else:
         options, solution, problem = None, answer, f"{ask} Answer with one colour word."
-    target = frames[0] if cfg.bbox_target == "marker" else patches[0]
+    if cfg.bbox_target == "view":
+        bbox = _view_box(cells[0], cfg.grid, cfg.view_side)
+    else:
+        bbox = _relative_box(frames[0] if cfg.bbox_target == "marker" else patches[0], width, height)
     record = TaskRecord(
         doc_id=f"zoom-{split}-{index:06d}",
         images=[f"images/{split}/{index:06d}.png"],
@@ -238,7 +277,7 @@ def draw_zoom_task(cfg: ZoomTaskConfig, split: str, index: int) -> tuple[TaskRec
         data_source=DATA_SOURCE,
         options=options,
         category=f"zoom/{'single' if count == 1 else 'multi'}",
-        bbox=_relative_box(target, width, height),
+        bbox=bbox,
     )
     layout = {"frames": frames, "patches": patches, "decoys": decoys, "frame_colours": frame_colours,
               "patch_colours": patch_colours, "answer": answer}
@@ -251,55 +290,13 @@ def make_zoom_task(cfg: ZoomTaskConfig, split: str, index: int) -> tuple[TaskRec
     return record, image
 
 
-def chance_rate(records: Sequence[TaskRecord]) -> float:
-    """Accuracy of guessing without looking: for free-form records the commonest answer's share (the best
-    constant guess), for choice records 1 / option count; averaged over the records."""
-    if not records:
-        return 0.0
-    free = [r.solution for r in records if not r.is_choice]
-    choice = sum(1.0 / len(r.options or []) for r in records if r.is_choice)
-    best_constant = max(Counter(free).values()) if free else 0
-    return (best_constant + choice) / len(records)
-
-
 def _make_and_save(cfg: ZoomTaskConfig, split: str, index: int, folder: Path) -> TaskRecord:
     record, image = make_zoom_task(cfg, split, index)
     (folder / record.images[0]).write_bytes(encode_png(image, cfg.png_compress_level))
     return record
 
 
-def _check_replaceable(out_dir: Path) -> None:
-    """Refuse to replace a folder that does not look like an earlier output of a task generator."""
-    if out_dir.exists() and not out_dir.is_dir():
-        raise NotADirectoryError(f"{out_dir}: output path exists and is not a folder")
-    if out_dir.is_dir():
-        ours = {f"{s}.jsonl" for s in SPLITS} | {"images"}
-        entries = {p.name for p in out_dir.iterdir()}
-        if entries and not entries & ours:
-            raise FileExistsError(f"{out_dir}: folder holds files that are not task files ({sorted(entries)[:5]}); "
-                                  "refusing to replace it, pick an empty or new folder")
-
-
 def generate_zoom_tasks(out_dir: Path, cfg: ZoomTaskConfig, progress: bool = False, workers: int = 1) -> dict[str, Path]:
-    """Write `out_dir/{train,val,test}.jsonl` and their images; return {split: jsonl path}.
-
-    Same contract as `loupe.data.synthetic.generate_tasks`: the folder is built beside `out_dir` and swapped
-    in whole; `workers` > 1 draws tasks in spawned processes; the files are byte-identical for any `workers`.
-    """
-    out_dir = Path(out_dir)
-    _check_replaceable(out_dir)
-    with atomic_directory(out_dir) as tmp:
-        spawn = multiprocessing.get_context("spawn")
-        pool = ProcessPoolExecutor(workers, mp_context=spawn) if workers > 1 else None
-        try:
-            for split in SPLITS:
-                count = cfg.split_size(split)
-                (tmp / "images" / split).mkdir(parents=True)
-                args = ([cfg] * count, [split] * count, range(count), [tmp] * count)
-                results = pool.map(_make_and_save, *args, chunksize=4) if pool else map(_make_and_save, *args)
-                records = list(tqdm(results, total=count, desc=f"zoom {split}", unit="task", disable=not progress))
-                write_tasks(records, tmp / f"{split}.jsonl")
-        finally:
-            if pool is not None:
-                pool.shutdown(cancel_futures=True)
-    return {split: out_dir / f"{split}.jsonl" for split in SPLITS}
+    """Write `out_dir/{train,val,test}.jsonl` and their images; return {split: jsonl path}
+    (loupe.data.splits.write_splits: atomic, byte-identical for any `workers`)."""
+    return write_splits(out_dir, cfg, _make_and_save, "zoom", progress, workers)
