@@ -72,8 +72,8 @@ def test_pattern_mix_and_turn_counts_follow_the_params():
     assert set(capped) == {2, 3}
 
 
-def _oracle_run(tasks, folder, samples, max_new_tokens=96, seed=0):
-    engine = OracleEngine(OracleParams(), get_protocol("mini_o3"), seed=seed, max_turns=6)
+def _oracle_run(tasks, folder, samples, max_new_tokens=96, seed=0, params=None):
+    engine = OracleEngine(params or OracleParams(), get_protocol("mini_o3"), seed=seed, max_turns=6)
     engine.prepare(tasks, samples)
     return engine, run_rollouts(tasks, engine, PROTOCOL, folder, samples_per_task=samples,
                                 max_new_tokens=max_new_tokens)
@@ -132,6 +132,36 @@ def test_reasoning_is_varied_deterministic_and_within_the_token_budget(tasks, sy
     assert all(t.end_reason == "answered" for t in tight)
     _, impossible = _oracle_run(tasks, synth_tasks_dir, samples=1, max_new_tokens=10)  # no wording fits: cut, as a model is
     assert {t.end_reason for t in impossible} == {"length"}
+
+
+def test_glances_answer_at_once_and_are_right_about_as_often_as_chance(tasks, synth_tasks_dir):  # noqa: F811
+    params = OracleParams(patterns={"glance": 1.0})
+    engine, trajectories = _oracle_run(tasks, synth_tasks_dir, samples=40, params=params)
+    assert set(engine.patterns.values()) == {"glance"}
+    free_answers = {t.solution for t in tasks if not t.is_choice}
+    right = []
+    for trajectory in trajectories:
+        assert trajectory.end_reason == "answered" and trajectory.num_turns == 1 and trajectory.num_tool_calls == 0
+        task = next(t for t in tasks if t.doc_id == trajectory.task["doc_id"])
+        # a guess among what answers look like: option letters, or the free-form answers of the prepared tasks
+        allowed = set("ABCDEFGHIJ"[: len(task.options)]) if task.is_choice else free_answers
+        assert trajectory.answer in allowed
+        right.append(score_trajectory(trajectory, RewardConfig()).accuracy)
+    guessing = sum(1 / len(t.options) if t.is_choice else 1 / len(free_answers) for t in tasks) / len(tasks)
+    assert abs(sum(right) / len(right) - guessing) < 0.12  # right by luck, not by knowing
+
+
+def test_plain_wording_keeps_one_sentence_per_slot(tasks, synth_tasks_dir):  # noqa: F811
+    params = OracleParams(patterns={"direct": 1.0}, plain_wording=True)
+    _, trajectories = _oracle_run(tasks, synth_tasks_dir, samples=4, params=params)
+    firsts = {t.turns[1].text.split("</think>")[0] for t in trajectories}
+    # the only words that vary name the area zoomed on: one first turn per distinct area
+    assert all(text.startswith("<think>It should be in the ") for text in firsts)
+    for t in trajectories:
+        think = t.turns[-1].text.split("</think>")[0]
+        options = t.task.get("options")
+        said = f"{options[ord(t.answer) - 65]}: option {t.answer}" if options else t.answer
+        assert think == f"<think>It is {said}."
 
 
 def test_a_task_without_a_target_box_is_refused_by_name(tasks):

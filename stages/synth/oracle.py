@@ -8,7 +8,11 @@ exactly what a model would have produced. Per trajectory it draws a search plan 
 - `direct`: zoom on the target, answer (2 turns);
 - `wide_then_close`: a wide look around the target, then closer looks (3+ turns);
 - `wrong_then_right`: one or more looks at regions without the target, each noticed and corrected (3+ turns);
-- `observation_zoom`: a wide look, then zooms into the observation rather than the original (3+ turns).
+- `observation_zoom`: a wide look, then zooms into the observation rather than the original (3+ turns);
+- `glance`: no zoom: a guess from the downscaled view (1 turn), right only by chance, as a real teacher that
+  skips the search sometimes is. Rejection by answer keeps the lucky guesses, so a cold start with glances
+  teaches a model that answering at once sometimes pays and zooming pays more: RL's job is to learn the
+  difference (docs/learning.md). Free-form guesses are drawn from the answers of the prepared tasks.
 
 The pattern mix and the turn-count distribution are `synth.oracle` parameters. Reasoning text comes from
 stages/synth/wording.py. The oracle never sees pixels: it places every box from the task's ground-truth
@@ -27,7 +31,7 @@ from dataclasses import dataclass
 
 from PIL import Image
 
-from loupe.data.tasks import TaskRecord
+from loupe.data.tasks import OPTION_LETTERS, TaskRecord
 from loupe.protocol import ORIGINAL_IMAGE, Protocol, ToolCall
 from loupe.rollout.engine import Engine, Generation
 from stages.synth.params import OracleParams
@@ -144,6 +148,8 @@ def _from_source(box: Box, frame: Box) -> Box:
 
 
 def _feasible_turns(pattern: str, max_turns: int, params: OracleParams) -> dict[int, float]:
+    if pattern == "glance":  # one turn whatever the turn weights say
+        return {1: 1.0}
     counts = {2} if pattern == "direct" else set(range(3, max_turns + 1))
     return {t: w for t, w in params.turns.items() if t in counts and t <= max_turns and w > 0}
 
@@ -157,6 +163,8 @@ def draw_plan(target: Box, params: OracleParams, max_turns: int, rng: random.Ran
     turns_weights = _feasible_turns(pattern, max_turns, params)
     turns = rng.choices(list(turns_weights), weights=list(turns_weights.values()))[0]
     looks_wanted = turns - 1
+    if pattern == "glance":
+        return Plan(pattern, [])
     close = _around(target, rng.uniform(*params.close_margin), params.min_close_side)
 
     if pattern == "direct":
@@ -224,6 +232,8 @@ class OracleEngine(Engine):
         self._expected: dict[str, deque[tuple[TaskRecord, int]]] = {}
         self.patterns: dict[tuple[str, int], str] = {}
         """The pattern each (doc_id, sample) was given, for the stage's report."""
+        self._free_answers: set[str] = set()
+        """Every free-form answer of the prepared tasks: what a `glance` guesses among."""
 
     def prepare(self, tasks: list[TaskRecord], samples_per_task: int) -> None:
         """Announce the tasks the next `run_rollouts` call runs; each needs a target `bbox`."""
@@ -231,6 +241,8 @@ class OracleEngine(Engine):
             if task.bbox is None:
                 raise OracleError(f"task {task.doc_id}: field 'bbox' is missing; the oracle teacher needs tasks "
                                   "with a ground-truth target box (synthetic tasks)")
+            if not task.is_choice:
+                self._free_answers.add(task.solution)
             queue = self._expected.setdefault(self.protocol.question_text(task), deque())
             queue.extend((task, k) for k in range(samples_per_task))
 
@@ -243,7 +255,7 @@ class OracleEngine(Engine):
         plan = draw_plan(tuple(task.bbox), self.params, self.max_turns, rng)  # type: ignore[arg-type]
         self.patterns[(task.doc_id, k)] = plan.pattern
         tokens = (len(system) + len(question)) // 3 + 256 * len(images)
-        return _OracleState(task, plan, Wording(rng), tokens)
+        return _OracleState(task, plan, Wording(rng, plain=self.params.plain_wording), tokens)
 
     def add_user_turn(self, state: _OracleState, text: str, images: list[Image.Image]) -> None:
         if images:
@@ -262,6 +274,14 @@ class OracleEngine(Engine):
         looks, step, words = state.plan.looks, state.step, state.wording
         state.step += 1
         budget = int(max_new_tokens * CHARS_PER_TOKEN)
+        if state.plan.pattern == "glance":
+            task = state.task
+            guesses = OPTION_LETTERS[: len(task.options or [])] if task.is_choice else sorted(self._free_answers)
+            answer = state.wording.rng.choice(guesses)
+            text = task.options[OPTION_LETTERS.index(answer)] if task.is_choice else answer
+            sentences = words.glance(text, answer if task.is_choice else None)
+            think = fit_sentences(sentences, budget - len(self.protocol.render_answer("", answer)))
+            return self._emit(state, self.protocol.render_answer(think, answer), "eos", max_new_tokens)
         if step >= len(looks) or state.failed:
             letter = state.task.solution if state.task.is_choice else None
             sentences = words.answer(state.observations, state.task.answer_text(), letter)

@@ -13,12 +13,14 @@ from loupe.rewards import RewardConfig
 class OracleParams(Section):
     """The oracle teacher: knows each synthetic task's target box and writes varied, correct searches."""
 
-    patterns: dict[Literal["direct", "wide_then_close", "wrong_then_right", "observation_zoom"], float] = Field(
+    patterns: dict[Literal["direct", "wide_then_close", "wrong_then_right", "observation_zoom", "glance"], float] = Field(
         default_factory=lambda: {"direct": 1.0, "wide_then_close": 2.0, "wrong_then_right": 2.0, "observation_zoom": 2.0}
     )
     """Relative weights of the search patterns: `direct` (zoom on the target, answer), `wide_then_close` (a wide
     look around the target, then closer looks on the original), `wrong_then_right` (one or more regions without
-    the target first, noticed and corrected), `observation_zoom` (a wide look, then zooms into the observation)."""
+    the target first, noticed and corrected), `observation_zoom` (a wide look, then zooms into the observation),
+    `glance` (no zoom: a guess from the downscaled view, kept by rejection only when right; needs
+    `min_tool_calls: 0`)."""
     turns: dict[int, float] = Field(default_factory=lambda: {2: 2.0, 3: 3.0, 4: 3.0, 5: 1.5, 6: 1.0})
     """Relative weights of the number of assistant turns (answer included). Each trajectory draws its pattern
     first, then its turn count among those the pattern can make (direct: 2; the others: 3 or more), capped by
@@ -31,6 +33,9 @@ class OracleParams(Section):
     """Side of a wide look as a fraction of the original's side (drawn uniformly; grown to hold the target)."""
     wrong_side: tuple[float, float] = (0.15, 0.4)
     """Side of a look at the wrong region, as a fraction of the original's side."""
+    plain_wording: bool = False
+    """One fixed, shortest wording per sentence slot and no optional sentences (stages/synth/wording.py), so
+    the only words that vary are those that carry the decision: where to zoom, what was seen."""
     obs_source_rate: float = Field(0.5, ge=0.0, le=1.0)
     """In `wide_then_close` and `wrong_then_right`, the chance that a closer look after a wide one names the
     observation as its source instead of the original (`observation_zoom` always does)."""

@@ -103,6 +103,25 @@ SEEN_FREE = (
     "It is {text}.",
 )
 
+GLANCE = (
+    "The overview should be enough.",
+    "I can answer from this view.",
+    "No need to zoom for this.",
+    "This view shows enough.",
+)
+
+GUESS_FREE = (
+    "It looks like {text}.",
+    "I think it is {text}.",
+    "It seems to be {text}.",
+)
+
+GUESS_CHOICE = (
+    "It looks like {text}: option ({letter}).",
+    "I think it is {text}, so ({letter}).",
+    "It seems to be {text}, option {letter}.",
+)
+
 CONFIRM = (
     "I am confident.",
     "That settles it.",
@@ -137,17 +156,23 @@ class Sentence:
 class Wording:
     """One trajectory's phrasing: a random stream plus the subject phrase it sticks to."""
 
-    def __init__(self, rng: random.Random):
+    def __init__(self, rng: random.Random, plain: bool = False):
         self.rng = rng
         self.subject = rng.choice(SUBJECTS)
+        self.plain = plain
+        """Each slot's shortest wording and no optional sentence: a small model learns the words that carry
+        the decision (where, what colour) sooner when nothing else varies."""
 
     def _fill(self, pool: tuple[str, ...], optional: bool = False, **slots: object) -> Sentence:
         subject_cap = self.subject[0].upper() + self.subject[1:]
         filled = [t.format(subject=self.subject, subject_cap=subject_cap, **slots) for t in pool]
-        return Sentence(self.rng.choice(filled), min(filled, key=len), optional)
+        shortest = min(filled, key=len)
+        if self.plain:
+            return Sentence("" if optional else shortest, shortest, optional)
+        return Sentence(self.rng.choice(filled), shortest, optional)
 
     def first_turn(self, area: str, close: bool) -> list[Sentence]:
-        return [self._fill(OPENERS, optional=True), self._fill(FIRST_CLOSE if close else FIRST_WIDE, area=area)]
+        return self._kept([self._fill(OPENERS, optional=True), self._fill(FIRST_CLOSE if close else FIRST_WIDE, area=area)])
 
     def after_miss(self, n: int, seen_area: str, next_area: str) -> list[Sentence]:
         return [self._fill(MISSED, n=n, area=seen_area), self._fill(RETRY, area=next_area)]
@@ -155,7 +180,7 @@ class Wording:
     def after_spot(self, n: int, area_in_view: str, next_source_obs: int | None) -> list[Sentence]:
         spotted = self._fill(SPOTTED, n=n, area=area_in_view)
         if next_source_obs is None:
-            return [spotted, self._fill(CLOSER_ON_ORIGINAL, optional=True)]
+            return self._kept([spotted, self._fill(CLOSER_ON_ORIGINAL, optional=True)])
         return [spotted, self._fill(CLOSER_ON_OBSERVATION, n=next_source_obs)]
 
     def answer(self, n: int, text: str, letter: str | None) -> list[Sentence]:
@@ -163,8 +188,15 @@ class Wording:
             seen = self._fill(SEEN_CHOICE, n=n, text=text, letter=letter)
         else:
             seen = self._fill(SEEN_FREE, n=n, text=text)
-        confirm = self._fill(CONFIRM, optional=True)
-        return [seen] + ([confirm] if confirm.text else [])
+        return self._kept([seen, self._fill(CONFIRM, optional=True)])
+
+    def glance(self, text: str, letter: str | None) -> list[Sentence]:
+        guess = self._fill(GUESS_CHOICE, text=text, letter=letter) if letter else self._fill(GUESS_FREE, text=text)
+        return self._kept([self._fill(GLANCE, optional=True), guess])
+
+    @staticmethod
+    def _kept(sentences: list[Sentence]) -> list[Sentence]:
+        return [s for s in sentences if s.text]
 
 
 def fit_sentences(sentences: list[Sentence], max_chars: int) -> str:
