@@ -128,6 +128,8 @@ def train_config(
             "bf16": bool(on_gpu and params.gpu.bf16),
         }
     )
+    checkpointing = params.gradient_checkpointing == "on" or (params.gradient_checkpointing == "auto" and on_gpu)
+    config["disable_gradient_checkpointing"] = not checkpointing
     if config["preprocessing_num_workers"] is None:
         del config["preprocessing_num_workers"]
     if hide_gpu:

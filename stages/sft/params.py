@@ -85,6 +85,9 @@ class SftParams(Section):
     presize_images: bool = True
     """Scale images larger than the pixel budget once, before training, by LLaMA-Factory's own rule (same
     pixels), instead of at every step; the scaled copy of the dataset goes to <out>/dataset."""
+    gradient_checkpointing: Literal["auto", "on", "off"] = "auto"
+    """Recompute activations in the backward pass to save memory: auto = on GPU only (a tiny model on a CPU has
+    memory to spare and would pay a third more time for it; LLaMA-Factory's own default is on everywhere)."""
     preprocessing_num_workers: int | None = Field(None, ge=1)
     """Processes tokenising the dataset; None tokenises in the training process."""
     dataloader_num_workers: int = Field(0, ge=0)
