@@ -3,7 +3,7 @@
     loupe run [--stages NAME ...] [--force]          the pipeline: Prefect flow over dvc.yaml, summary at the end
     loupe remote                                     LOUPE_DVC_REMOTE (s3://...) as the default DVC remote
     loupe model tiny --out DIR [--seed N]            build the embedded tiny Qwen2.5-VL offline
-    loupe data synthetic --out DIR [--params ...]    write the synthetic visual-search task set
+    loupe data tasks --out DIR [--params ...]        write the task set params.yaml's `data` section names
     loupe view TRAJECTORIES.jsonl --out page.html    a self-contained HTML page of trajectories with crops
     loupe stage NAME [--in-container] ARGS...        one stage, locally or in its image (LOUPE_CONTAINER)
 
@@ -29,15 +29,15 @@ def _cmd_model_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_data_synthetic(args: argparse.Namespace) -> int:
-    from loupe.data.synthetic import SyntheticConfig, generate_tasks
+def _cmd_data_tasks(args: argparse.Namespace) -> int:
+    from loupe.data.families import DataParams, generate_family
 
-    config = load_section(SyntheticConfig, "data", args.params)
+    config = load_section(DataParams, "data", args.params)
     started = time.perf_counter()
-    splits = generate_tasks(args.out, config, progress=True)
+    splits = generate_family(args.out, config, progress=True)
     for split, path in splits.items():
         print(f"{split}: {path}")
-    print(f"synthetic tasks written in {time.perf_counter() - started:.1f} s")
+    print(f"{config.family} tasks written in {time.perf_counter() - started:.1f} s")
     return 0
 
 
@@ -115,10 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.set_defaults(func=_cmd_model_tiny)
 
     data = commands.add_parser("data", help="build task sets").add_subparsers(dest="kind", required=True)
-    synthetic = data.add_parser("synthetic", help="write the synthetic visual-search tasks")
+    synthetic = data.add_parser("tasks", help="write the task set of params.yaml's data section (zoom or synthetic)")
     synthetic.add_argument("--out", type=Path, required=True)
     synthetic.add_argument("--params", default="params.yaml")
-    synthetic.set_defaults(func=_cmd_data_synthetic)
+    synthetic.set_defaults(func=_cmd_data_tasks)
 
     view = commands.add_parser("view", help="render trajectories as a self-contained HTML page")
     view.add_argument("trajectories", type=Path)

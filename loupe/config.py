@@ -36,6 +36,15 @@ class ModelParams(Section):
     """Build the embedded tiny model at `path` when it is missing (only for the default; never downloads)."""
     tiny_seed: int = 0
     """Seed of the tiny model's weights and tokenizer corpus."""
+    tiny_text_hidden: int = Field(128, ge=16)
+    """Width of the tiny model's language model (4 heads; tests build the 64-wide default of
+    loupe.models.tiny). 128 wide and 4 deep learns the zoom task's cold start; 64 x 2 does not (docs/learning.md)."""
+    tiny_text_layers: int = Field(4, ge=1)
+    """Depth of the tiny model's language model."""
+    tiny_perception_steps: int = Field(600, ge=0)
+    """Steps of the tiny model's perception pretraining in the data stage (loupe.models.tiny_perception:
+    naming the colour of a square in generic pictures, never a task's canvas), so the base model sees as a
+    real base model does; 0 leaves it random. About 50 s on 2 cores."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights' dtype when loading: `auto` is float32 on CPU and bfloat16 on GPU."""
 

@@ -1,12 +1,13 @@
-"""The `data` stage: the embedded tiny model and the synthetic visual-search task set, the pipeline's inputs.
+"""The `data` stage: the embedded tiny model and a procedural task set, the pipeline's inputs.
 
-Reads `seed`, `model` (the tiny model's seed) and `data` (the synthetic task generator) from params.yaml and
-writes:
+Reads `model` (the tiny model's seed) and `data` (the task family, zoom or synthetic, and its generator's
+knobs: loupe.data.families) from params.yaml and writes:
 
     <tiny-model>/             the embedded tiny Qwen2.5-VL (Hugging Face directory; `model.path` points at it
                               by default; a run on a real model still builds it, about a megabyte, in seconds)
     <out>/tasks/              {train,val,test}.jsonl task records and their canvases
-    <out>/metrics.json        tasks per split, kind and difficulty; the tiny model's parameter count
+    <out>/metrics.json        tasks per split, kind and difficulty, each split's chance rate (the accuracy of
+                              the best answer given without looking); the tiny model's parameter count
     <out>/plots/tasks.json    tasks per category (DVC bar plot data), and plots/tasks.png
 
 Both folders are built beside their final place and swapped in, so a killed run leaves nothing half-written.
@@ -24,25 +25,34 @@ from collections import Counter
 from pathlib import Path
 
 from loupe.config import ModelParams, ParamsError, load_section
-from loupe.data.synthetic import SyntheticConfig, generate_tasks
-from loupe.data.tasks import read_tasks
+from loupe.data.families import DataParams, generate_family
+from loupe.data.tasks import chance_rate, read_tasks
 from loupe.io import atomic_directory, atomic_write_json
 from loupe.tracking import stage_run
 
 
-def build_tiny(model_out: Path, seed: int) -> int:
-    """Build the tiny model into `model_out` atomically; returns its parameter count."""
+def build_tiny(model_out: Path, model: ModelParams, progress: bool = False) -> tuple[int, dict]:
+    """Build the tiny model `model` describes into `model_out` atomically, with its perception pretraining;
+    returns its parameter count and the pretraining's report (empty without pretraining)."""
+    from dataclasses import asdict
+
     from safetensors import safe_open
 
     from loupe.models.tiny import build_tiny_model
+    from loupe.models.tiny_perception import pretrain_perception
 
+    report: dict = {}
     with atomic_directory(model_out) as tmp:
-        build_tiny_model(tmp, seed=seed)
+        build_tiny_model(tmp, seed=model.tiny_seed, text_hidden=model.tiny_text_hidden,
+                         text_layers=model.tiny_text_layers)
+        if model.tiny_perception_steps:
+            report = asdict(pretrain_perception(tmp, steps=model.tiny_perception_steps, seed=model.tiny_seed,
+                                                progress=progress))
     count = 0
     for weights in model_out.glob("*.safetensors"):
         with safe_open(str(weights), "np") as f:
             count += sum(_numel(f.get_slice(name).get_shape()) for name in f.keys())
-    return count
+    return count, report
 
 
 def _numel(shape: list[int]) -> int:
@@ -54,12 +64,14 @@ def _numel(shape: list[int]) -> int:
 
 def task_metrics(tasks_dir: Path) -> tuple[dict, list[dict]]:
     """Counts per split, kind and difficulty, and the bar-plot rows (tasks per category over all splits)."""
-    metrics: dict = {"tasks": {}, "kinds": Counter(), "difficulties": Counter(), "choice_fraction": 0.0}
+    metrics: dict = {"tasks": {}, "chance_rate": {}, "kinds": Counter(), "difficulties": Counter(),
+                     "choice_fraction": 0.0}
     per_category: Counter = Counter()
     choice = total = 0
     for jsonl in sorted(tasks_dir.glob("*.jsonl")):
         records = read_tasks(jsonl)
         metrics["tasks"][jsonl.stem] = len(records)
+        metrics["chance_rate"][jsonl.stem] = round(chance_rate(records), 4)
         for record in records:
             kind, _, difficulty = (record.category or "unknown/unknown").partition("/")
             metrics["kinds"][kind] += 1
@@ -83,7 +95,7 @@ def _bar_png(rows: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 0.25 * max(4, len(rows)) + 1))
     ax.barh([r["category"] for r in rows], [r["tasks"] for r in rows])
     ax.set_xlabel("tasks")
-    ax.set_title("Synthetic tasks per category")
+    ax.set_title("Tasks per category")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=80)
@@ -93,13 +105,15 @@ def _bar_png(rows: list[dict], path: Path) -> None:
 def prepare(params_path: Path, tiny_model: Path, out_dir: Path, progress: bool = True) -> dict:
     """Build the tiny model and the task set inside the stage's MLflow run; returns metrics.json's content."""
     model = load_section(ModelParams, "model", params_path)
-    data = load_section(SyntheticConfig, "data", params_path)
+    data = load_section(DataParams, "data", params_path)
     started = time.perf_counter()
     with stage_run("data", params={"data": data.model_dump(mode="json"), "model": model.model_dump(mode="json")}) as run:
-        parameters = build_tiny(tiny_model, model.tiny_seed)
-        generate_tasks(out_dir / "tasks", data, progress=progress)
+        parameters, perception = build_tiny(tiny_model, model, progress)
+        generate_family(out_dir / "tasks", data, progress=progress)
         metrics, rows = task_metrics(out_dir / "tasks")
         metrics["tiny_model_parameters"] = parameters
+        if perception:
+            metrics["tiny_model_perception"] = perception
         metrics["seconds"] = round(time.perf_counter() - started, 2)
         atomic_write_json(out_dir / "plots" / "tasks.json", rows)
         _bar_png(rows, out_dir / "plots" / "tasks.png")

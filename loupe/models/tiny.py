@@ -37,24 +37,35 @@ from loupe.models.tiny_tokenizer import (
 PATCH_SIZE, MERGE_SIZE, TEMPORAL_PATCH_SIZE = 14, 2, 2
 
 
-def tiny_config(tokenizer):
-    """A `Qwen2_5_VLConfig` for about 0.29 M parameters whose vocabulary and token ids are `tokenizer`'s."""
+def _mrope_section(head_dim: int) -> list[int]:
+    """Qwen2.5-VL's split of a head's rotary frequencies (head_dim / 2) over (time, height, width), in the
+    proportions of its own [16, 24, 24] for head_dim 128."""
+    half = head_dim // 2
+    time = half // 4
+    height = (half - time) // 2
+    return [time, height, half - time - height]
+
+
+def tiny_config(tokenizer, text_hidden: int = 64, text_layers: int = 2):
+    """A `Qwen2_5_VLConfig` whose vocabulary and token ids are `tokenizer`'s: about 0.29 M parameters at the
+    default size (tests), 0.95 M at `text_hidden=128, text_layers=4` (the pipeline's default, params.yaml)."""
     from transformers import Qwen2_5_VLConfig
 
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
-    text_hidden = 64
+    heads = 4
     return Qwen2_5_VLConfig(
         text_config={
             "vocab_size": len(tokenizer),  # every id the tokenizer can produce, special tokens included
             "hidden_size": text_hidden,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,  # head_dim 16
+            "intermediate_size": 2 * text_hidden,
+            "num_hidden_layers": text_layers,
+            "num_attention_heads": heads,
             "num_key_value_heads": 2,
             "max_position_embeddings": 32768,
-            "max_window_layers": 2,  # no sliding window anyway; keeps the config consistent with 2 layers
-            # mrope splits each head's 8 rotary frequencies over (time, height, width): must sum to head_dim/2.
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
+            "max_window_layers": text_layers,  # no sliding window anyway; keeps the config consistent
+            # mrope splits each head's rotary frequencies over (time, height, width): must sum to head_dim/2.
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0,
+                                "mrope_section": _mrope_section(text_hidden // heads)},
             "bos_token_id": ids[PAD_TOKEN],
             "eos_token_id": ids[IM_END],
             "pad_token_id": ids[PAD_TOKEN],
@@ -103,12 +114,14 @@ def tiny_processor(tokenizer, min_pixels: int, max_pixels: int):
 
 
 def build_tiny_model(
-    out_dir: str | Path, seed: int = 0, min_pixels: int = 28 * 28 * 4, max_pixels: int = 28 * 28 * 64
+    out_dir: str | Path, seed: int = 0, min_pixels: int = 28 * 28 * 4, max_pixels: int = 28 * 28 * 64,
+    text_hidden: int = 64, text_layers: int = 2,
 ) -> Path:
     """Write a complete tiny Qwen2.5-VL model directory to `out_dir` and return its path.
 
     `seed` fixes the tokenizer corpus and the random weights: the same seed gives byte-identical files.
-    `min_pixels`/`max_pixels` are the processor's pixel budget (default 4 to 64 merged patches an image).
+    `min_pixels`/`max_pixels` are the processor's pixel budget (default 4 to 64 merged patches an image);
+    `text_hidden`/`text_layers` size the language model (see `tiny_config`).
     """
     import torch
     from transformers import GenerationConfig, Qwen2_5_VLForConditionalGeneration
@@ -116,7 +129,7 @@ def build_tiny_model(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(seed)
-    config = tiny_config(tokenizer)
+    config = tiny_config(tokenizer, text_hidden, text_layers)
     with torch.random.fork_rng(devices=[]):  # seed the weights without disturbing the caller's generator
         torch.manual_seed(seed)
         model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32).eval()
