@@ -54,11 +54,11 @@ def case(tmp_path_factory, tiny_model_dir) -> dict[str, Path]:
     """A small params file, synthetic tasks and the tiny model, all outside the workspace (so mounted by path)."""
     base = tmp_path_factory.mktemp("containers")
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    params["data"].update(train=4, val=2, test=3)
+    params["data"]["zoom"].update(train=4, val=2, test=3)
     params["synth"].update(limit=4, samples_per_task=2, shard_tasks=2)
     params["eval"].update(samples=2, max_turns=4, benchmarks=[{"name": "synthetic", "path": str(base / "tasks")}])
     (base / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    _run([sys.executable, "-m", "loupe.cli", "data", "synthetic", "--out", str(base / "tasks"),
+    _run([sys.executable, "-m", "loupe.cli", "data", "tasks", "--out", str(base / "tasks"),
           "--params", str(base / "params.yaml")])
     return {"base": base, "params": base / "params.yaml", "tasks": base / "tasks", "model": tiny_model_dir}
 

@@ -119,11 +119,11 @@ def test_dvc_reads_the_dag_with_its_own_parser():
 
 
 def test_the_gpu_preset_validates_against_every_section_model():
-    from loupe.data.synthetic import SyntheticConfig
+    from loupe.data.families import DataParams
     from stages.eval.params import EvalParams
 
     preset = ROOT / "params" / "mini-o3-7b.yaml"
-    models = {"model": ModelParams, "protocol": ProtocolParams, "rollout": RolloutParams, "data": SyntheticConfig,
+    models = {"model": ModelParams, "protocol": ProtocolParams, "rollout": RolloutParams, "data": DataParams,
               "eval": EvalParams, "pipeline": PipelineParams}
     for stage, module, cls in (("synth", "stages.synth.params", "SynthParams"), ("sft", "stages.sft.params", "SftParams"),
                                ("rl", "stages.rl.params", "RLParams")):

@@ -23,7 +23,7 @@ STAGES = ["data", "synth", "sft", "rl", "eval"]
 
 # Small enough for two cores; each override names a key its section's model defines.
 REDUCED = {
-    "data": {"train": 6, "val": 2, "test": 2, "canvas_side": [1024, 1200]},
+    "data": {"zoom": {"train": 6, "val": 2, "test": 2, "canvas_side": [1024, 1200]}},
     "synth": {"samples_per_task": 1, "viewer_trajectories": 4},
     "sft": {"max_steps": 2, "logging_steps": 1, "save_steps": 1},
     "rl": {"steps": 1, "prompts_per_step": 2, "samples_per_prompt": 2, "val_every": 0, "checkpoint_every": 1,
