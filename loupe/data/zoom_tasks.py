@@ -62,7 +62,7 @@ Fraction = Annotated[float, Field(gt=0, le=0.3)]
 class ZoomTaskConfig(SplitConfig):
     """How zoom tasks are drawn (`data.zoom` in params.yaml; every size is a fraction of the canvas's shorter side)."""
 
-    train: int = Field(320, ge=0)
+    train: int = Field(640, ge=0)
     """Number of training tasks."""
     val: int = Field(32, ge=0)
     """Number of validation tasks."""
