@@ -13,6 +13,8 @@ Each stage also runs alone: `python -m stages.eval --help`.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -60,8 +62,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
                           "(e.g. cp params/mini-o3-7b.yaml params.yaml) or use `dvc exp run -S key=value`")
     # The flow and the stages come from this checkout (a clone beside the installed one runs its own code).
     sys.path.insert(0, str(root))
+    # Prefect's records go to work/logs/flow.log (pipelines.flow.log_prefect_to_file); the terminal shows its
+    # warnings only. Read by Prefect's logging set-up when it is imported, so set first.
+    os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
     from pipelines.dvc_runner import StageFailed
-    from pipelines.flow import loupe_pipeline
+    from pipelines.flow import LOG_DIR, log_prefect_to_file, loupe_pipeline
+
+    log_prefect_to_file(root)
 
     started = time.perf_counter()
     try:
@@ -75,11 +82,30 @@ def _cmd_run(args: argparse.Namespace) -> int:
     print("  dvc metrics show                 every stage's metrics (dvc plots show: the curves, as HTML)")
     print("  make ui                          the MLflow UI on work/mlflow.db: the pipeline run and one child")
     print("                                   run per stage, with lineage tags, data sets and artefacts")
-    for stage in ("eval", "rl", "synth"):
-        page = root / "work" / stage / "viewer.html"
-        if page.is_file():
-            print(f"  {stage} trajectories, turn by turn with every crop: {page.as_uri()}")
+    logs = sorted((root / LOG_DIR).glob("*.log"))
+    if logs:
+        print(f"  {LOG_DIR}/<stage>.log              everything each stage printed (LLaMA-Factory's, Ray's and DVC's "
+              f"records too); flow.log: Prefect's")
+    for label, page in _viewer_pages(root / "work"):
+        print(f"  {label} trajectories, turn by turn with every crop: {page.as_uri()}")
+    comparison = root / "work" / "eval" / "plots" / "comparison.png"
+    if comparison.is_file():
+        print(f"  the models compared (accuracy with its interval, accuracy vs turn limit): {comparison.as_uri()}")
     return 0
+
+
+def _viewer_pages(work: Path) -> list[tuple[str, Path]]:
+    """The trajectory viewers a run wrote: eval's, one per model in the order it compared them (its
+    metrics.json names them), then rl's and synth's."""
+    pages = []
+    try:
+        models = json.loads((work / "eval" / "metrics.json").read_text()).get("models", [])
+    except (OSError, ValueError, AttributeError):
+        models = []
+    for name in models if isinstance(models, list) else []:
+        pages.append((f"eval {name}", work / "eval" / str(name) / "viewer.html"))
+    pages += [(stage, work / stage / "viewer.html") for stage in ("rl", "synth")]
+    return [(label, page) for label, page in pages if page.is_file()]
 
 
 def _cmd_remote(args: argparse.Namespace) -> int:

@@ -34,6 +34,7 @@ Settings (environment):
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -130,6 +131,9 @@ def passed_variables(environ: Mapping[str, str], stage_args: list[str]) -> list[
 
 def _absolute_path_in(text: str) -> Path | None:
     value = text.split("=", 1)[1] if text.startswith("--") and "=" in text else text
+    name, sep, rest = value.partition("=")
+    if sep and re.fullmatch(r"[A-Za-z0-9_-]+", name):  # a NAME=PATH argument (eval's --model base=/models/x)
+        value = rest
     if value.startswith("sqlite:///"):
         value = value[len("sqlite:///"):]
         value = "/" + value.lstrip("/") if value.startswith("/") else value

@@ -17,12 +17,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
 from loupe.tracking import PARENT_RUN_ENV, tracking_enabled, tracking_uri
+from pipelines.console import ConsoleFilter
 
 RAN, SKIPPED, RESTORED, FAILED = "ran", "skipped", "restored", "failed"
 _TAIL_CHARS = 4000
@@ -92,27 +94,37 @@ def _status_of(stage: str, output: str) -> str:
     return SKIPPED
 
 
-def stream_output(process: subprocess.Popen, on_line: Callable[[str], None] | None, echo: bool) -> str:
-    """Copy the process's output to our stdout as it comes (progress bars included) and hand complete lines,
-    carriage-return updates collapsed to their last state, to `on_line`; returns the whole output."""
+def stream_output(process: subprocess.Popen, on_line: Callable[[str], None] | None, echo: bool,
+                  log_path: Path | None = None) -> str:
+    """Copy the process's output to our stdout as it comes, through pipelines.console's filter (the stage's
+    lines and progress bars, not the libraries' records), append all of it to `log_path`, and hand complete
+    lines, carriage-return updates collapsed to their last state, to `on_line`; returns the whole output."""
     chunks: list[str] = []
     pending = ""
+    console = ConsoleFilter(sys.stdout) if echo else None
     assert process.stdout is not None
-    while True:
-        data = os.read(process.stdout.fileno(), 65536)
-        if not data:
-            break
-        text = data.decode("utf-8", errors="replace")
-        chunks.append(text)
-        if echo:
-            sys.stdout.write(text)
-            sys.stdout.flush()
-        pending += text
-        *lines, pending = pending.split("\n")
-        for line in lines:
-            line = line.rsplit("\r", 1)[-1].rstrip()
-            if line and on_line:
-                on_line(line)
+    if log_path is not None:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+    with (log_path.open("a", encoding="utf-8") if log_path is not None else nullcontext()) as log:
+        while True:
+            data = os.read(process.stdout.fileno(), 65536)
+            if not data:
+                break
+            text = data.decode("utf-8", errors="replace")
+            chunks.append(text)
+            if log is not None:
+                log.write(text)
+                log.flush()
+            if console is not None:
+                console.write(text)
+            pending += text
+            *lines, pending = pending.split("\n")
+            for line in lines:
+                line = line.rsplit("\r", 1)[-1].rstrip()
+                if line and on_line:
+                    on_line(line)
+    if console is not None:
+        console.close()
     if pending.strip() and on_line:
         on_line(pending.rsplit("\r", 1)[-1].rstrip())
     return "".join(chunks)
@@ -120,14 +132,15 @@ def stream_output(process: subprocess.Popen, on_line: Callable[[str], None] | No
 
 def repro_stage(stage: str, root: Path, env: dict[str, str] | None = None,
                 on_line: Callable[[str], None] | None = None, single_item: bool = True,
-                force: bool = False, echo: bool = True) -> StageResult:
-    """`dvc repro [--single-item] <stage>` in `root`; raises StageFailed when DVC or the stage fails."""
+                force: bool = False, echo: bool = True, log_path: Path | None = None) -> StageResult:
+    """`dvc repro [--single-item] <stage>` in `root`; raises StageFailed when DVC or the stage fails. Its whole
+    output is appended to `log_path` when given (the flow's `work/logs/<stage>.log`)."""
     args = ["repro", stage] + (["--single-item"] if single_item else []) + (["--force"] if force else [])
     started = time.perf_counter()
     process = subprocess.Popen(dvc_command(*args), cwd=root, env=env if env is not None else stage_environment(),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
-        output = stream_output(process, on_line, echo)
+        output = stream_output(process, on_line, echo, log_path)
     finally:
         returncode = process.wait()
     seconds = time.perf_counter() - started

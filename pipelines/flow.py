@@ -71,7 +71,31 @@ from pipelines.dvc_runner import (
     stream_output,
 )
 from pipelines.params import PipelineParams
-from pipelines.summary import format_table, stage_metrics, summary_rows
+from pipelines.summary import comparison_text, format_table, summary_rows
+
+
+LOG_DIR = Path("work") / "logs"
+"""Each stage's whole output (`<stage>.log`, appended run after run) and the flow's own log (`flow.log`)."""
+
+
+def stage_log_path(root: Path, stage: str) -> Path:
+    """Where a stage's whole output goes: what `dvc repro` printed, libraries' records included."""
+    return root / LOG_DIR / f"{stage}.log"
+
+
+def log_prefect_to_file(root: Path) -> Path:
+    """Prefect's own records (the temporary server, flow and task states) into `work/logs/flow.log`; its
+    console handler shows warnings and errors only (loupe/cli.py sets PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL
+    before Prefect is imported)."""
+    path = root / LOG_DIR / "flow.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    logger = logging.getLogger("prefect")
+    if not any(isinstance(h, logging.FileHandler) and Path(h.baseFilename) == path for h in logger.handlers):
+        handler = logging.FileHandler(path, encoding="utf-8")
+        handler.setFormatter(logging.Formatter("%(asctime)s | %(levelname)-7s | %(name)s - %(message)s"))
+        handler.setLevel(logging.INFO)
+        logger.addHandler(handler)
+    return path
 
 
 def _stage_log_to_api() -> logging.Logger:
@@ -96,7 +120,7 @@ def dvc_stage(stage: str, root: str, single_item: bool = True, force: bool = Fal
     get_run_logger().info("dvc repro %s", stage)
     api_log = _stage_log_to_api()
     result = repro_stage(stage, Path(root), stage_environment(), on_line=api_log.info, single_item=single_item,
-                         force=force)
+                         force=force, log_path=stage_log_path(Path(root), stage))
     result.attempts = task_runtime.run_count
     get_run_logger().info("stage %s: %s in %.1f s", stage, result.status, result.seconds)
     return result
@@ -151,10 +175,29 @@ def _register_final_model(root: Path, params: PipelineParams, runs: dict[str, st
             tags[f"dvc.dep.{dep}"] = md5
     eval_lock = lock_lineage("eval", root / "dvc.lock")
     if eval_lock is not None and eval_lock.deps.get(params.model_path) == tags["dvc.md5"]:
-        # MLflow's tag names allow no "@": avg@32 becomes avg_at_32, as in the runs' metric names.
-        tags.update({f"eval.{k}".replace("@", "_at_"): v for k, v in stage_metrics(root, "eval").items() if "@" in k})
+        tags.update(_eval_tags(root / "work" / "eval", params.model_path))
     version = register_model(model_dir, params.model_name, run_id, tags)
     return f"{params.model_name} v{version.version}"
+
+
+def _eval_tags(eval_dir: Path, model_path: str) -> dict[str, float]:
+    """The eval stage's numbers for the model at `model_path` (the comparison's column whose own metrics.json
+    names that path): accuracy, its interval and pass@K per benchmark, as `eval.synthetic.accuracy`. MLflow's
+    tag names allow no "@": pass@4 becomes pass_at_4, as in the runs' metric names."""
+    import json
+
+    try:
+        comparison = json.loads((eval_dir / "metrics.json").read_text())
+        names = [n for n in comparison["models"]
+                 if json.loads((eval_dir / n / "metrics.json").read_text()).get("model") == model_path]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    tags = {}
+    for benchmark in comparison["benchmarks"] if names else []:
+        for key, value in comparison[benchmark][names[0]].items():
+            if isinstance(value, (int, float)):
+                tags[f"eval.{benchmark}.{key}".replace("@", "_at_")] = value
+    return tags
 
 
 @flow(name="loupe-pipeline", persist_result=False)
@@ -201,6 +244,8 @@ def loupe_pipeline(stages: list[str] | None = None, force: bool = False, root: s
             parent.set_tags({"loupe.registered_model": registered})
         _log_files(parent, root_path, rows)
         print("\n" + format_table(rows))
+        if any(r.stage == "eval" for r in results) and (comparison := comparison_text(root_path)):
+            print("\n" + comparison)
         if registered:
             print(f"registered model: {registered}")
         if pushed:

@@ -1,4 +1,5 @@
-"""The flow's closing summary: one row per stage (ran or skipped, seconds, key metrics, outputs, MLflow run).
+"""The flow's closing summary: one row per stage (ran or skipped, seconds, key metrics, outputs, MLflow run),
+then the eval stage's comparison of the models (`comparison_text`).
 
 Key metrics are read from each stage's `metrics.json` files as dvc.yaml declares them, so the table shows what
 `dvc metrics show` shows, cut to the few numbers a person looks at first.
@@ -10,14 +11,16 @@ import json
 from pathlib import Path
 from typing import Any
 
+from loupe.compare import comparison_table, is_comparison
 from pipelines.dvc_runner import StageResult, stage_spec
 
 # Metric names that matter most, best first; a stage shows the first few it has (the stages' metrics.json:
-# eval's Avg@K, rl's last step, sft's final loss, synth's kept trajectories, data's task counts).
+# eval's per-model accuracy (`synthetic.rl.accuracy`, ranked first by `_is_model_accuracy`), rl's last step,
+# sft's final loss, synth's kept trajectories, data's task counts).
 _PREFERRED = ("avg@", "pass@", "last.reward/mean", "last.reward/accuracy", "best_val", "final_loss", "accepted",
               "records", "tasks.", "accuracy", "reward", "loss", "trajectories", "steps")
 _SKIPPED_KEYS = ("turn_scaling", "seconds", "per_category", "by_category", "categories", "end_reasons", "kinds",
-                 "difficulties", "histogram", "first.", "first_", "patterns.")
+                 "difficulties", "histogram", "first.", "first_", "patterns.", "_ci_", "bootstrap.")
 _KEY_METRICS = 3
 
 
@@ -49,11 +52,42 @@ def stage_metrics(root: Path, stage: str) -> dict[str, float]:
     return flat
 
 
+def _is_model_accuracy(key: str) -> bool:
+    """`benchmark.model.accuracy`: a model's accuracy in eval's comparison."""
+    parts = key.split(".")
+    return len(parts) == 3 and parts[2] == "accuracy"
+
+
 def key_metrics(metrics: dict[str, float], count: int = _KEY_METRICS) -> dict[str, float]:
     """The few numbers worth a glance: preferred names first, never the long per-category breakdowns."""
     usable = {k: v for k, v in metrics.items() if not any(part in k for part in _SKIPPED_KEYS)}
-    ranked = sorted(usable, key=lambda k: next((i for i, p in enumerate(_PREFERRED) if p in k), len(_PREFERRED)))
+
+    def rank(key: str) -> int:
+        if _is_model_accuracy(key):
+            return -1
+        return next((i for i, p in enumerate(_PREFERRED) if p in key), len(_PREFERRED))
+
+    ranked = sorted(usable, key=rank)
     return {k: usable[k] for k in ranked[:count]}
+
+
+def comparison_text(root: Path) -> str | None:
+    """The eval stage's comparison table (loupe.compare), from the metrics file dvc.yaml declares for the stage:
+    a block per benchmark with its chance rate and a row per model. None when there is none to show (no eval
+    stage, not run yet, or a metrics file of another shape)."""
+    try:
+        paths = _paths(stage_spec(root, "eval").get("metrics"))
+    except (OSError, KeyError, TypeError, ValueError):
+        return None
+    for path in paths:
+        file = root / path
+        try:
+            metrics = json.loads(file.read_text()) if file.is_file() else None
+        except (OSError, ValueError):
+            continue
+        if is_comparison(metrics):
+            return comparison_table(metrics)
+    return None
 
 
 def _format_number(value: float) -> str:

@@ -78,13 +78,13 @@ def test_every_benchmark_scores_through_the_eval_stage(tmp_path, monkeypatch, va
     assert eval_stage.main(["--params", str(tmp_path / "params.yaml"), "--model", str(tmp_path / "model"),
                             "--out", str(out), "--no-progress"]) == 0
 
-    metrics = json.loads((out / "metrics.json").read_text())["benchmarks"]
+    metrics = json.loads((out / "model" / "metrics.json").read_text())["benchmarks"]
     assert set(metrics) == {c.benchmark for c in copies}
     for copy in copies:
         summary = metrics[copy.benchmark]
         assert summary["questions"] == len(copy.questions) and summary["invalid"] == 0, copy.benchmark
         assert summary["end_reasons"]["answered"] == 1.0, copy.benchmark
         assert summary["avg@1"] == (1.0 if right else 0.0), copy.benchmark
-    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (out / "model" / "results.jsonl").read_text().splitlines()]
     assert len(rows) == sum(len(c.questions) for c in copies) == engine.started
     assert {r["accuracy"] for r in rows} == {1.0 if right else 0.0}

@@ -260,3 +260,12 @@ def test_loupe_stage_names_a_missing_image(tmp_path):
     result = subprocess.run([sys.executable, "-m", "loupe.cli", "stage", "synth", "--params", "params.yaml"],
                             cwd=ROOT, env=env, capture_output=True, text=True, check=False)
     assert result.returncode == 2 and "loupe-synth:latest not found" in result.stderr and "make images" in result.stderr
+
+
+def test_a_named_model_path_mounts_its_folder(tmp_path):
+    """eval's `--model rl=/models/x` names a path after its `NAME=`."""
+    (tmp_path / "models" / "x").mkdir(parents=True)
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    assert containers.mount_points(ws, [f"rl={tmp_path / 'models' / 'x'}", "sft=relative/model"]) == \
+        [ws, tmp_path / "models" / "x"]

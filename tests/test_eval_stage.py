@@ -92,9 +92,10 @@ def workspace(tmp_path_factory, tiny_model_dir) -> Path:
 
 
 def run_eval(workspace: Path, model: Path, out: str) -> Path:
+    """The stage on one bare model path, which it names `model`: returns that model's folder."""
     assert eval_main(["--params", str(workspace / "params.yaml"), "--model", str(model), "--out", str(workspace / out),
                       "--no-progress"]) == 0
-    return workspace / out
+    return workspace / out / "model"
 
 
 def test_eval_writes_every_output_and_repeats_exactly(workspace, tiny_model_dir, monkeypatch):
@@ -120,9 +121,15 @@ def test_eval_writes_every_output_and_repeats_exactly(workspace, tiny_model_dir,
 
     [run] = mlflow.search_runs(experiment_names=["loupe"], output_format="list")
     assert run.data.tags["loupe.stage"] == "eval" and run.data.params["eval.samples"] == "2"
-    assert run.data.metrics["synthetic.questions"] == 3.0
+    assert run.data.metrics["synthetic.questions"] == 3.0 and 0 <= run.data.metrics["synthetic.chance_rate"] <= 1
+    assert run.data.metrics["synthetic.model.trajectories"] == 6.0 and "synthetic.model.avg_at_2" in run.data.metrics
+    assert run.data.metrics["synthetic.model.accuracy_ci_low"] <= run.data.metrics["synthetic.model.accuracy_ci_high"]
+    history = mlflow.MlflowClient().get_metric_history(run.info.run_id, "synthetic.model.turn_scaling")
+    assert sorted(m.step for m in history) == [1, 2, 4]
     artefacts = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id)}
-    assert {"metrics.json", "viewer.html", "plots"} <= artefacts
+    assert {"metrics.json", "plots", "model"} <= artefacts
+    model_artefacts = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id, "model")}
+    assert {"model/metrics.json", "model/results.jsonl", "model/viewer.html"} <= model_artefacts
 
     monkeypatch.setenv("LOUPE_TRACKING", "off")
     again = run_eval(workspace, tiny_model_dir, "second")
@@ -139,7 +146,7 @@ def test_missing_benchmark_is_an_error_not_a_skip(workspace, tiny_model_dir, cap
     assert code == 2
     err = capsys.readouterr().err
     assert "vstar" in err and "no-such-vstar" in err
-    assert not (workspace / "bad" / "metrics.json").exists()
+    assert not (workspace / "bad" / "metrics.json").exists() and not (workspace / "bad" / "model").exists()
 
 
 def test_unknown_eval_key_names_its_path(workspace, tiny_model_dir, capsys):

@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = [call([0.4, 0.4, 0.7, 0.7]), "<think>found it</think>\n<answer>A</answer>"]
 """Every scripted sample zooms once, then answers: each trajectory carries a crop to save."""
 FINAL_OUTPUTS = ("results.jsonl", "trajectories/synthetic.jsonl", "metrics.json", "viewer.html")
+"""A model's final outputs, under OUT/model/ (the stage names a bare --model path `model`)."""
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +63,11 @@ def write_params(folder: Path, tasks_dir: Path, **eval_keys) -> Path:
     return folder / "params.yaml"
 
 
-def run_stage(params: Path, model: Path, out: Path) -> None:
+def run_stage(params: Path, model: Path, out: Path) -> Path:
+    """The stage on one bare model path (a folder, made empty for a scripted engine); returns its output folder."""
+    model.mkdir(parents=True, exist_ok=True)
     assert eval_stage.main(["--params", str(params), "--model", str(model), "--out", str(out), "--no-progress"]) == 0
+    return out / "model"
 
 
 @pytest.fixture()
@@ -102,7 +106,7 @@ def test_eval_holds_at_most_a_chunk_of_trajectories_and_the_viewers_share(tmp_pa
     assert [c["tasks"] for c in calls] == [2, 2, 1]
     assert [c["alive"] for c in calls] == [0, 1, 1]
     assert all(c["heavy"] == [] for c in calls)  # the one kept holds neither a token trace nor an unsaved crop
-    assert len(read_trajectories(tmp_path / "out" / "trajectories" / "synthetic.jsonl")) == 10
+    assert len(read_trajectories(tmp_path / "out" / "model" / "trajectories" / "synthetic.jsonl")) == 10
 
 
 def test_a_benchmark_no_larger_than_a_chunk_runs_in_one_call(tmp_path, tasks_dir, scripted):
@@ -114,14 +118,16 @@ def test_a_benchmark_no_larger_than_a_chunk_runs_in_one_call(tmp_path, tasks_dir
 
 
 def test_chunking_changes_no_output_of_a_deterministic_engine(tmp_path, tasks_dir, scripted):
-    run_stage(write_params(tmp_path / "a", tasks_dir, chunk_size=100), tmp_path / "model", tmp_path / "whole")
-    run_stage(write_params(tmp_path / "b", tasks_dir, chunk_size=2), tmp_path / "model", tmp_path / "chunked")
+    whole = run_stage(write_params(tmp_path / "a", tasks_dir, chunk_size=100), tmp_path / "model", tmp_path / "whole")
+    chunked = run_stage(write_params(tmp_path / "b", tasks_dir, chunk_size=2), tmp_path / "model", tmp_path / "chunked")
     for name in ("results.jsonl", "trajectories/synthetic.jsonl", "plots/turn_scaling.json"):
-        assert (tmp_path / "chunked" / name).read_text() == (tmp_path / "whole" / name).read_text(), name
-    whole, chunked = (json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("whole", "chunked"))
-    assert whole["benchmarks"] == chunked["benchmarks"] and whole["benchmarks"]["synthetic"]["trajectories"] == 10
-    crops = sorted(p.relative_to(tmp_path / "chunked") for p in (tmp_path / "chunked").rglob("*.png"))
-    assert len(crops) == 11  # one crop per trajectory, plus the turn-scaling plot
+        assert (chunked / name).read_text() == (whole / name).read_text(), name
+    assert (tmp_path / "chunked" / "plots" / "turn_scaling.json").read_text() == \
+        (tmp_path / "whole" / "plots" / "turn_scaling.json").read_text()
+    one, other = (json.loads((d / "metrics.json").read_text()) for d in (whole, chunked))
+    assert one["benchmarks"] == other["benchmarks"] and one["benchmarks"]["synthetic"]["trajectories"] == 10
+    crops = sorted(p.relative_to(chunked) for p in chunked.rglob("*.png"))
+    assert len(crops) == 11  # one crop per trajectory, plus the model's turn-scaling plot
 
 
 # --- Atomic outputs --------------------------------------------------------------------------------------------------
@@ -131,14 +137,15 @@ def test_a_failure_mid_run_leaves_the_previous_outputs_whole(tmp_path, tasks_dir
     params = write_params(tmp_path, tasks_dir, chunk_size=2)
     out = tmp_path / "out"
     run_stage(params, tmp_path / "model", out)
-    before = {name: (out / name).read_bytes() for name in FINAL_OUTPUTS}
+    before = {name: (out / "model" / name).read_bytes() for name in FINAL_OUTPUTS}
+    comparison = (out / "metrics.json").read_bytes()
     real_run = eval_stage.run_rollouts
     seen: list[int] = []
 
     def failing(tasks, *args, **kwargs):
         if seen:
             # The first chunk is already on disk, under a hidden name: streamed, not held.
-            [partial] = (out / "trajectories").glob(".synthetic.jsonl.*.partial")
+            [partial] = (out / "model" / "trajectories").glob(".synthetic.jsonl.*.partial")
             seen.append(len(partial.read_text().splitlines()))
             raise RuntimeError("node lost")
         seen.append(0)
@@ -148,7 +155,8 @@ def test_a_failure_mid_run_leaves_the_previous_outputs_whole(tmp_path, tasks_dir
     with pytest.raises(RuntimeError, match="node lost"):
         eval_stage.main(["--params", str(params), "--model", str(tmp_path / "model"), "--out", str(out), "--no-progress"])
     assert seen == [0, 4]
-    assert {name: (out / name).read_bytes() for name in FINAL_OUTPUTS} == before
+    assert {name: (out / "model" / name).read_bytes() for name in FINAL_OUTPUTS} == before
+    assert (out / "metrics.json").read_bytes() == comparison
     assert leftovers(out) == []
 
 
@@ -174,6 +182,7 @@ sys.exit(eval_stage.main(sys.argv[1:]))
 def test_a_killed_run_leaves_no_half_file_and_the_next_run_cleans_up(tmp_path, tasks_dir):
     params = write_params(tmp_path, tasks_dir, chunk_size=2)
     out, marker = tmp_path / "out", tmp_path / "ready"
+    (tmp_path / "model").mkdir()
     driver = tmp_path / "driver.py"
     driver.write_text(KILLED_DRIVER.format(tests=str(ROOT / "tests"), script=SCRIPT, marker=str(marker)))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "LOUPE_TRACKING": "off"}
@@ -191,7 +200,8 @@ def test_a_killed_run_leaves_no_half_file_and_the_next_run_cleans_up(tmp_path, t
         if proc.poll() is None:
             proc.kill()
     for name in FINAL_OUTPUTS:
-        assert not (out / name).exists(), name
+        assert not (out / "model" / name).exists(), name
+    assert not (out / "metrics.json").exists()
     partial = leftovers(out)
     assert {p.name.split(".")[1] for p in partial} == {"results", "synthetic"}
     [trajectories] = [p for p in partial if p.name.startswith(".synthetic")]
@@ -201,7 +211,7 @@ def test_a_killed_run_leaves_no_half_file_and_the_next_run_cleans_up(tmp_path, t
         patch.setattr(eval_stage, "make_engine", lambda *a, **k: ScriptedEngine([SCRIPT]))
         run_stage(params, tmp_path / "model", out)
     assert leftovers(out) == []
-    assert len((out / "results.jsonl").read_text().splitlines()) == 10
+    assert len((out / "model" / "results.jsonl").read_text().splitlines()) == 10
 
 
 def test_jsonl_writer_appends_and_renames_only_on_commit(tmp_path):
@@ -247,20 +257,20 @@ def test_streamed_eval_equals_the_unchunked_run_on_the_tiny_model(tmp_path, tiny
     one question still give the same outputs (decoding does not depend on the batch it ran in)."""
     params = write_params(tmp_path, tasks_dir, chunk_size=chunk_size, temperature=temperature)
     reference = unchunked_reference(params, tiny_model_dir, tmp_path / "reference")
-    run_stage(params, tiny_model_dir, tmp_path / "streamed")
+    streamed = run_stage(params, tiny_model_dir, tmp_path / "streamed")
     for name in ("results.jsonl", "trajectories/synthetic.jsonl"):
-        assert (tmp_path / "streamed" / name).read_text() == (tmp_path / "reference" / name).read_text(), name
-    metrics = json.loads((tmp_path / "streamed" / "metrics.json").read_text())["benchmarks"]["synthetic"]
+        assert (streamed / name).read_text() == (tmp_path / "reference" / name).read_text(), name
+    metrics = json.loads((streamed / "metrics.json").read_text())["benchmarks"]["synthetic"]
     assert json.dumps(metrics) == json.dumps(reference) and metrics["trajectories"] == 10
 
 
 def test_a_sampled_chunked_run_repeats_exactly(tmp_path, tiny_model_dir, tasks_dir):
     """Sampled results depend on (seed, chunk_size); the same pair gives the same bytes."""
     params = write_params(tmp_path, tasks_dir, chunk_size=2, temperature=1.0)
-    run_stage(params, tiny_model_dir, tmp_path / "first")
-    run_stage(params, tiny_model_dir, tmp_path / "second")
+    first = run_stage(params, tiny_model_dir, tmp_path / "first")
+    second = run_stage(params, tiny_model_dir, tmp_path / "second")
     for name in ("results.jsonl", "trajectories/synthetic.jsonl"):
-        assert (tmp_path / "first" / name).read_text() == (tmp_path / "second" / name).read_text(), name
+        assert (first / name).read_text() == (second / name).read_text(), name
 
 
 # --- Images travel once: the K samples of a task share its decoded images -------------------------------------------
@@ -311,8 +321,8 @@ def test_a_group_of_k_traces_shares_its_image_and_pickles_about_once(tiny_model_
 
 
 def test_compact_records_give_the_summary_of_the_trajectories(tmp_path, tasks_dir, scripted):
-    run_stage(write_params(tmp_path, tasks_dir), tmp_path / "model", tmp_path / "out")
-    trajectories: list[Trajectory] = read_trajectories(tmp_path / "out" / "trajectories" / "synthetic.jsonl")
+    out = run_stage(write_params(tmp_path, tasks_dir), tmp_path / "model", tmp_path / "out")
+    trajectories: list[Trajectory] = read_trajectories(out / "trajectories" / "synthetic.jsonl")
     records = [SampleRecord.of(t) for t in trajectories]
     limits = EvalParams(max_turns=4).turn_limits
     assert json.dumps(summarize(records, limits)) == json.dumps(summarize(trajectories, limits))

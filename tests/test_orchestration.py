@@ -89,9 +89,9 @@ def test_each_stage_follows_the_stage_contract(stage):
     assert cmd[:3] == launcher and cmd[cmd.index("--params") + 1] == "params.yaml"
     out = Path(cmd[cmd.index("--out") + 1])
     # Every input path the command names is a declared dependency, and its code is too.
-    for flag in ("--tasks", "--model", "--dataset"):
-        if flag in cmd:
-            assert cmd[cmd.index(flag) + 1] in spec["deps"], f"{stage}: {flag} path is not a dep"
+    for at, word in enumerate(cmd[:-1]):
+        if word in ("--tasks", "--model", "--dataset"):  # eval's --model is NAME=PATH, repeated
+            assert cmd[at + 1].split("=", 1)[-1] in spec["deps"], f"{stage}: {word} {cmd[at + 1]} is not a dep"
     assert "loupe" in spec["deps"] and _code_deps(stage) or not (ROOT / "stages" / stage).exists()
     # Outputs, metrics and plots lie in its --out folder (the data stage also builds the tiny model).
     paths = [next(iter(p)) if isinstance(p, dict) else p for key in ("outs", "metrics", "plots") for p in spec[key]]
@@ -461,3 +461,21 @@ def test_the_deployment_runs_on_a_prefect_server_through_a_worker(tmp_path, trac
                     process.wait(timeout=20)
                 except subprocess.TimeoutExpired:
                     process.kill()
+
+
+def test_the_registered_model_is_tagged_with_its_own_column_of_the_comparison(tmp_path):
+    from pipelines.flow import _eval_tags
+
+    comparison = {"models": ["base", "rl"], "benchmarks": ["synthetic"], "turn_limits": [1, 2],
+                  "synthetic": {"chance_rate": 0.25,
+                                "base": {"accuracy": 0.0, "pass@2": 0.0, "turn_scaling": {"1": 0.0}},
+                                "rl": {"accuracy": 0.8, "accuracy_ci_low": 0.75, "pass@2": 0.9,
+                                       "turn_scaling": {"1": 0.25}}}}
+    (tmp_path / "metrics.json").write_text(json.dumps(comparison))
+    for name, path in (("base", "work/models/tiny"), ("rl", "work/rl/model")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.json").write_text(json.dumps({"model": path}))
+    assert _eval_tags(tmp_path, "work/rl/model") == {"eval.synthetic.accuracy": 0.8,
+                                                      "eval.synthetic.accuracy_ci_low": 0.75,
+                                                      "eval.synthetic.pass_at_2": 0.9}
+    assert _eval_tags(tmp_path, "work/other/model") == {}

@@ -83,7 +83,8 @@ def test_loupe_run_end_to_end_then_everything_is_skipped(tmp_path):
     work = repo / "work"
     for path in ("models/tiny/config.json", "data/tasks/train.jsonl", "synth/dataset/dataset_info.json",
                  "synth/viewer.html", "sft/model/config.json", "rl/model/config.json", "eval/metrics.json",
-                 "eval/viewer.html", "eval/plots/turn_scaling.json"):
+                 "eval/rl/viewer.html", "eval/sft/metrics.json", "eval/base/results.jsonl",
+                 "eval/plots/turn_scaling.json", "eval/plots/comparison.png"):
         assert (work / path).is_file(), path
     from transformers import AutoModelForImageTextToText
 
@@ -143,4 +144,4 @@ def test_loupe_run_end_to_end_then_everything_is_skipped(tmp_path):
     assert experiment.returncode == 0, experiment.stdout[-3000:] + experiment.stderr[-3000:]
     ran = [s for s in STAGES if f"Running stage '{s}'" in experiment.stdout]
     assert ran == ["eval"], experiment.stdout[-3000:]
-    assert json.loads((work / "eval" / "metrics.json").read_text())["benchmarks"]["synthetic"]["samples_per_question"] == 2
+    assert json.loads((work / "eval" / "metrics.json").read_text())["synthetic"]["samples_per_question"] == 2

@@ -67,6 +67,8 @@ def test_stage_trains_exports_and_reports_to_mlflow(tmp_path, tiny_model_dir, da
     assert run_stage(write_params(tmp_path, max_steps=8), tiny_model_dir, dataset, out) == 0
     printed = capsys.readouterr().out
     assert "sft: 8 samples" in printed and "sft: 8 steps (full, cpu)" in printed
+    # LLaMA-Factory's own records go to its log file, not the console.
+    assert "[INFO|" not in printed and "[INFO|" in (out / "llamafactory" / "train.log").read_text()
 
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["steps"] == 8 and metrics["samples"] == 8 and metrics["resumed_from_step"] == 0

@@ -1,28 +1,45 @@
-"""Evaluate one model directory on a list of benchmarks with the shared multi-turn rollout loop.
+"""Evaluate models on a list of benchmarks with the shared multi-turn rollout loop, and compare them.
 
 Reads the `eval` section of params.yaml (plus the shared `seed`, `protocol` and `rollout` sections), runs
-every benchmark's questions K times up to the eval turn limit, scores the answers with loupe.rewards, and
-writes into --out:
+every benchmark's questions K times up to the eval turn limit with each model in turn, scores the answers with
+loupe.rewards, and writes into --out:
 
-    metrics.json              per benchmark: Avg@K, pass@K, per category, turns, end reasons, turn scaling
-    results.jsonl             one row per sample
-    trajectories/<name>.jsonl every trajectory, crops under trajectories/images/
-    viewer.html               the trajectories turn by turn with every crop, for a person to look at
-    plots/turn_scaling.json   accuracy vs turn limit (DVC plot data), and plots/turn_scaling.png
+    metrics.json              the comparison (shape in loupe/compare.py): per benchmark the split's chance rate;
+                              per model accuracy (Avg@K) with a 95% bootstrap interval over questions, pass@K,
+                              valid-turn rate, mean turns and the turn-scaling curve
+    plots/comparison.png      per benchmark: accuracy per model with its interval and the chance rate; accuracy
+                              vs turn limit per model
+    plots/turn_scaling.json   accuracy vs turn limit, a row per (benchmark, limit), a column per model (DVC plot)
+    <name>/                   each model's own evaluation, exactly what a one-model eval always wrote:
+      metrics.json              per benchmark: Avg@K, pass@K, per category, turns, end reasons, turn scaling
+      results.jsonl             one row per sample
+      trajectories/<b>.jsonl    every trajectory, crops under trajectories/images/
+      viewer.html               the trajectories turn by turn with every crop, for a person to look at
+      plots/turn_scaling.json   this model's accuracy vs turn limit, and plots/turn_scaling.png
+
+Models are given as `--model NAME=PATH`, repeated, and run in that order; a bare `--model PATH` is named `model`.
+Every model answers the same questions with the same seed, sampling and chunking, so the numbers differ only by
+the model. They run one after another in this one process; each model's engine is closed and freed before the
+next model is loaded. The terminal output ends with the comparison table (loupe.compare.comparison_table).
 
 Memory does not grow with the benchmark: questions run `eval.chunk_size` at a time, each chunk's trajectories
 are scored, appended to hidden temporary files (`JsonlWriter`) and dropped; only a few numbers per sample
-(`SampleRecord`) and the viewer's trajectories stay. The files are renamed into place when every benchmark is
-done, so a run that dies leaves no half file under a final name (benchmarks/eval_memory.py measures the peak).
+(`SampleRecord`) and the viewer's trajectories stay. A model's files are renamed into place when all its
+benchmarks are done, so a run that dies leaves no half file under a final name (benchmarks/eval_memory.py
+measures the peak).
 
 Launch:
-    python -m stages.eval --params params.yaml --model work/models/tiny --out work/eval
-On a GPU node set `rollout.engine: vllm`; against a served model, `rollout.engine: openai`.
+    python -m stages.eval --params params.yaml --model base=work/models/tiny --model sft=work/sft/model \
+        --model rl=work/rl/model --out work/eval
+On a GPU node set `rollout.engine: vllm`; against a served model (one model only), `rollout.engine: openai`.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import json
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -31,6 +48,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from loupe.compare import comparison_table
 from loupe.config import (
     ParamsError,
     ProtocolParams,
@@ -47,16 +65,50 @@ from loupe.rollout import Engine, RolloutStats, make_engine, run_rollouts
 from loupe.tracking import stage_run
 from loupe.trajectory import JsonlWriter, Trajectory
 from loupe.viewer import render_html
+from stages.eval.comparison import compare, comparison_plot, turn_scaling_rows
 from stages.eval.metrics import SampleRecord, summarize
 from stages.eval.params import EvalParams
 
+BARE_MODEL_NAME = "model"
+"""The name of a model given as a bare `--model PATH`."""
+MODEL_NAME = re.compile(r"[A-Za-z0-9_-]+")
+"""A model name: a folder under --out, a key of metrics.json and a column of the DVC plot data."""
+RESERVED_NAMES = frozenset({"plots", "benchmark_cache", "benchmark", "max_turns", "questions", "samples_per_question",
+                            "chance_rate"})
+"""Names a model cannot take: folders of --out, columns of plots/turn_scaling.json and keys of a benchmark's entry."""
+
+Benchmarks = list[tuple[str, list[TaskRecord], Path]]
+"""(name, tasks, image root) of every benchmark, read once for all models."""
+
+
+def parse_models(specs: list[str]) -> dict[str, Path]:
+    """`NAME=PATH` or a bare `PATH` (named `model`) per --model, in order. A text whose part before the first "="
+    is not a name (letters, digits, _ and -) is a path."""
+    models: dict[str, Path] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not MODEL_NAME.fullmatch(name):
+            name, path = BARE_MODEL_NAME, spec
+        if not path:
+            raise ValueError(f"--model {spec!r}: no path after the name")
+        if name in RESERVED_NAMES:
+            raise ValueError(f"--model {spec!r}: {name!r} is reserved ({', '.join(sorted(RESERVED_NAMES))})")
+        if name in models:
+            bare = " (a bare path is named 'model': give NAME=PATH)" if name == BARE_MODEL_NAME else ""
+            raise ValueError(f"--model: the name {name!r} is given twice{bare}")
+        models[name] = Path(path)
+    return models
+
 
 def evaluate(params_path: Path, model_path: Path, out_dir: Path, progress: bool = True) -> dict:
-    """Run the whole evaluation inside the stage's MLflow run; returns the metrics written to metrics.json."""
+    """One model into `out_dir` itself (no comparison), inside the stage's MLflow run; returns the metrics
+    written to its metrics.json. The command line goes through `evaluate_models`; this serves callers that
+    evaluate one model in-process (the rl stage's tests, benchmarks/eval_memory.py)."""
     load_seed(params_path)  # a bad seed fails here, before a tracking run is opened
     params = load_section(EvalParams, "eval", params_path)
     with stage_run("eval", params={"eval": params.model_dump(mode="json"), "model": str(model_path)}) as run:
-        metrics = _evaluate(params_path, model_path, out_dir, progress)
+        benchmarks = _load_benchmarks(params, out_dir / "benchmark_cache")
+        metrics, _ = _evaluate(params_path, model_path, out_dir, benchmarks, progress)
         for name, summary in metrics["benchmarks"].items():
             run.log_metrics({name: {k: v for k, v in summary.items() if k != "turn_scaling"}})
             for limit, accuracy in summary["turn_scaling"].items():
@@ -67,7 +119,80 @@ def evaluate(params_path: Path, model_path: Path, out_dir: Path, progress: bool 
         return metrics
 
 
-def _evaluate(params_path: Path, model_path: Path, out_dir: Path, progress: bool) -> dict:
+def evaluate_models(params_path: Path, models: dict[str, Path], out_dir: Path, progress: bool = True) -> dict:
+    """Every model into `out_dir/<name>/`, in order, then the comparison into `out_dir` (metrics.json and
+    plots/), all inside one MLflow run of the stage; returns the comparison metrics."""
+    if not models:
+        raise ValueError("no model to evaluate")
+    seed = load_seed(params_path)  # a bad seed fails here, before a tracking run is opened
+    params = load_section(EvalParams, "eval", params_path)
+    rollout = load_section(RolloutParams, "rollout", params_path)
+    if rollout.engine == "openai" and len(models) > 1:
+        raise ValueError(f"rollout.engine openai asks the one model its endpoint serves; it cannot compare "
+                         f"{len(models)} models ({', '.join(models)}): give one --model")
+    if rollout.engine != "openai":
+        # Every model is found before any is loaded: a typo fails in seconds, not after the first model's hour.
+        for name, path in models.items():
+            if not path.exists():
+                raise FileNotFoundError(f"model {name}: {path} does not exist")
+    logged = {"eval": params.model_dump(mode="json"), "models": {name: str(path) for name, path in models.items()}}
+    with stage_run("eval", params=logged) as run:
+        started = time.perf_counter()
+        benchmarks = _load_benchmarks(params, out_dir / "benchmark_cache")
+        summaries: dict[str, dict] = {}
+        records: dict[str, dict[str, list[SampleRecord]]] = {}
+        for name, path in models.items():
+            metrics, records[name] = _evaluate(params_path, path, out_dir / name, benchmarks, progress, label=name)
+            summaries[name] = metrics["benchmarks"]
+            _release_memory()
+        comparison = compare({name: str(path) for name, path in models.items()},
+                             {name: tasks for name, tasks, _ in benchmarks}, summaries, records, params.turn_limits, seed)
+        comparison["seconds"] = round(time.perf_counter() - started, 2)
+        atomic_write_json(out_dir / "plots" / "turn_scaling.json", turn_scaling_rows(comparison))
+        comparison_plot(comparison, out_dir / "plots" / "comparison.png")
+        atomic_write_json(out_dir / "metrics.json", comparison)
+
+        for benchmark in comparison["benchmarks"]:
+            entry = comparison[benchmark]
+            run.log_metrics({benchmark: {"chance_rate": entry["chance_rate"], "questions": entry["questions"]}})
+            for name in models:
+                summary = summaries[name][benchmark]
+                interval = {k: entry[name][k] for k in ("accuracy_ci_low", "accuracy_ci_high")}
+                run.log_metrics({benchmark: {name: {**{k: v for k, v in summary.items() if k != "turn_scaling"},
+                                                    **interval}}})
+                for limit, accuracy in summary["turn_scaling"].items():
+                    if accuracy is not None:
+                        run.log_metrics({f"{benchmark}.{name}.turn_scaling": accuracy}, step=int(limit))
+        for artefact in ("metrics.json", "plots"):
+            run.log_artifact(out_dir / artefact)
+        for name in models:
+            for artefact in ("metrics.json", "results.jsonl", "viewer.html"):
+                run.log_artifact(out_dir / name / artefact, artifact_path=name)
+        return comparison
+
+
+def _release_memory() -> None:
+    """Free what the last model's engine held before the next one loads (its module, the CUDA cache)."""
+    gc.collect()
+    torch = sys.modules.get("torch")  # never imported for an endpoint
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _load_benchmarks(params: EvalParams, cache_dir: Path) -> Benchmarks:
+    """Every benchmark is read before any model is loaded: a bad path fails in seconds, not after an hour."""
+    benchmarks = []
+    for spec in params.benchmarks:
+        benchmark = load_benchmark(spec.name, spec.path, cache_dir)
+        tasks = benchmark.tasks[: spec.limit] if spec.limit else benchmark.tasks
+        benchmarks.append((spec.name, tasks, benchmark.image_root))
+    return benchmarks
+
+
+def _evaluate(params_path: Path, model_path: Path, out_dir: Path, benchmarks: Benchmarks, progress: bool,
+              label: str | None = None) -> tuple[dict, dict[str, list[SampleRecord]]]:
+    """One model on every benchmark into `out_dir`: its metrics (also written to metrics.json) and, per
+    benchmark, its scored samples. The engine is closed before this returns."""
     seed = load_seed(params_path)
     protocol = load_section(ProtocolParams, "protocol", params_path)
     rollout = load_section(RolloutParams, "rollout", params_path)
@@ -75,17 +200,10 @@ def _evaluate(params_path: Path, model_path: Path, out_dir: Path, progress: bool
     if params.temperature is not None:
         rollout = rollout.model_copy(update={"temperature": params.temperature})
 
-    # Every benchmark is read before any model is loaded: a bad path fails in seconds, not after an hour.
-    cache_dir = out_dir / "benchmark_cache"
-    benchmarks = []
-    for spec in params.benchmarks:
-        benchmark = load_benchmark(spec.name, spec.path, cache_dir)
-        tasks = benchmark.tasks[: spec.limit] if spec.limit else benchmark.tasks
-        benchmarks.append((spec.name, tasks, benchmark.image_root))
-
     engine = make_engine(rollout, protocol, model_path=str(model_path), seed=seed)
     judge = build_judge(params.reward)
     metrics: dict = {"model": str(model_path), "turn_limits": params.turn_limits, "benchmarks": {}}
+    records_by_benchmark: dict[str, list[SampleRecord]] = {}
     shown: list[Trajectory] = []
     curves: dict[str, list[tuple[float, float | None]]] = {}
     plot_rows: list[dict] = []
@@ -96,11 +214,12 @@ def _evaluate(params_path: Path, model_path: Path, out_dir: Path, progress: bool
         try:
             results = outputs.enter_context(JsonlWriter(out_dir / "results.jsonl"))
             for name, tasks, image_root in benchmarks:
-                run = _BenchmarkRun(name, params, rollout, protocol, engine, judge, results, shown)
+                run = _BenchmarkRun(name, params, rollout, protocol, engine, judge, results, shown, label)
                 writer = outputs.enter_context(JsonlWriter(out_dir / "trajectories" / f"{name}.jsonl"))
                 records = run.run(tasks, image_root, writer, progress)
                 summary = summarize(records, params.turn_limits)
                 metrics["benchmarks"][name] = summary
+                records_by_benchmark[name] = records
                 curves[name] = [(int(limit), acc) for limit, acc in summary["turn_scaling"].items()]
                 plot_rows += [{"benchmark": name, "max_turns": x, "accuracy": y} for x, y in curves[name]]
         finally:
@@ -111,7 +230,7 @@ def _evaluate(params_path: Path, model_path: Path, out_dir: Path, progress: bool
     line_plot(curves, out_dir / "plots" / "turn_scaling.png", "Accuracy vs turn limit", "turn limit", "accuracy", log2_x=True)
     render_html(shown, out_dir / "viewer.html", title=f"Eval of {model_path}")
     atomic_write_json(out_dir / "metrics.json", metrics)
-    return metrics
+    return metrics, records_by_benchmark
 
 
 class _BenchmarkRun:
@@ -127,15 +246,17 @@ class _BenchmarkRun:
         judge: LLMJudge | None,
         results: JsonlWriter,
         shown: list[Trajectory],
+        label: str | None = None,
     ):
         self.name, self.params, self.rollout, self.protocol = name, params, rollout, protocol
         self.engine, self.judge, self.results, self.shown = engine, judge, results, shown
+        self.desc = f"eval {label} {name}" if label else f"eval {name}"
 
     def run(self, tasks: list[TaskRecord], image_root: Path, writer: JsonlWriter, progress: bool) -> list[SampleRecord]:
         records: list[SampleRecord] = []
         stats = RolloutStats()
         # One bar over the whole benchmark, fed as each trajectory ends, whatever the chunking.
-        with tqdm(total=len(tasks) * self.params.samples, desc=f"eval {self.name}", unit="traj", disable=not progress) as bar:
+        with tqdm(total=len(tasks) * self.params.samples, desc=self.desc, unit="traj", disable=not progress) as bar:
             started = time.perf_counter()
 
             def finished(trajectory: Trajectory) -> None:
@@ -179,30 +300,45 @@ class _BenchmarkRun:
         return records
 
 
-def _print_summary(metrics: dict, out_dir: Path) -> None:
+def _summary_lines(metrics: dict, prefix: str = "") -> list[str]:
+    """One line per benchmark of one model's metrics."""
+    lines = []
     for name, m in metrics["benchmarks"].items():
         k = m["samples_per_question"]
         acc = m[f"avg@{k}"]
-        print(
-            f"{name}: avg@{k} {acc if acc is None else f'{acc:.3f}'}, pass@{k} {m[f'pass@{k}']}, "
+        lines.append(
+            f"{prefix}{name}: avg@{k} {acc if acc is None else f'{acc:.3f}'}, pass@{k} {m[f'pass@{k}']}, "
             f"mean turns {m['mean_turns']:.2f}, answered {m['end_reasons']['answered']:.0%}, invalid {m['invalid']}"
         )
-    print(f"metrics: {out_dir / 'metrics.json'}\ntrajectories: {out_dir / 'viewer.html'}")
+    return lines
+
+
+def _print_comparison(comparison: dict, out_dir: Path) -> None:
+    """Each model's one-liners and files, then the comparison table last."""
+    for name in comparison["models"]:
+        metrics = json.loads((out_dir / name / "metrics.json").read_text())
+        print("\n".join(_summary_lines(metrics, prefix=f"{name} ")))
+        print(f"{name} trajectories: {out_dir / name / 'viewer.html'}")
+    print(f"metrics: {out_dir / 'metrics.json'}\nplot: {out_dir / 'plots' / 'comparison.png'}\n")
+    print(comparison_table(comparison))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m stages.eval", description=__doc__.split("\n")[0])
     parser.add_argument("--params", type=Path, default=Path("params.yaml"), help="params file (default: params.yaml)")
-    parser.add_argument("--model", type=Path, required=True, help="Hugging Face model directory to evaluate")
+    parser.add_argument("--model", action="append", required=True, metavar="[NAME=]PATH",
+                        help="Hugging Face model directory to evaluate, as NAME=PATH; repeat to compare models "
+                             "(evaluated in order into OUT/NAME/); a bare PATH is named 'model'")
     parser.add_argument("--out", type=Path, required=True, help="output folder")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
     try:
-        metrics = evaluate(args.params, args.model, args.out, progress=not args.no_progress)
+        models = parse_models(args.model)
+        comparison = evaluate_models(args.params, models, args.out, progress=not args.no_progress)
     except (ParamsError, FileNotFoundError, ValueError) as err:
         print(f"eval: {err}", file=sys.stderr)
         return 2
-    _print_summary(metrics, args.out)
+    _print_comparison(comparison, args.out)
     return 0
 
 

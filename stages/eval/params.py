@@ -21,7 +21,7 @@ class BenchmarkSpec(Section):
 
 
 class EvalParams(Section):
-    """How the eval stage scores a model."""
+    """How the eval stage scores a model; every model of one run (base, SFT, RL) is scored the same way."""
 
     benchmarks: list[BenchmarkSpec] = [BenchmarkSpec(name="synthetic", path="work/data/tasks")]
     """Benchmarks to run, in order. A missing path is an error, never a skipped benchmark."""

@@ -59,8 +59,10 @@ def _check_gpu_stack(params: SftParams, on_gpu: bool, deepspeed: Path | None) ->
     return notes
 
 
-def run_sft(params_path: Path, model_path: Path, dataset_dir: Path, out_dir: Path) -> dict[str, Any]:
-    """The whole stage; returns the metrics written to metrics.json."""
+def run_sft(params_path: Path, model_path: Path, dataset_dir: Path, out_dir: Path, progress: bool = True,
+            verbose: bool = False) -> dict[str, Any]:
+    """The whole stage; returns the metrics written to metrics.json. LLaMA-Factory's output goes to
+    `llamafactory/train.log`; the console shows one progress bar, or, with `verbose`, that output itself."""
     started = time.perf_counter()
     seed = load_seed(params_path)
     protocol = load_section(ProtocolParams, "protocol", params_path)
@@ -85,7 +87,7 @@ def run_sft(params_path: Path, model_path: Path, dataset_dir: Path, out_dir: Pat
         if params.presize_images:
             training_data, scaled = images.presize_dataset(
                 preflight.spec, preflight.records, preflight.image_sizes, protocol.max_pixels, protocol.min_pixels,
-                out_dir / "dataset",
+                out_dir / "dataset", progress=progress,
             )
             print(f"sft: {scaled} images over the pixel budget are pre-scaled in {training_data}")
         config = llamafactory_config.train_config(
@@ -108,8 +110,10 @@ def run_sft(params_path: Path, model_path: Path, dataset_dir: Path, out_dir: Pat
         env = runner.child_environment(run.run_id, tracking_uri() if run.run_id else None,
                                        force_torchrun=on_gpu and deepspeed is not None)
         if state.kind != "done":
-            print(f"sft: llamafactory-cli train {train_yaml} (output: {train_dir})", flush=True)
-            runner.launch(runner.llamafactory_command("train", train_yaml), env, lf_dir / "train.log")
+            log = lf_dir / "train.log"
+            print(f"sft: llamafactory-cli train {train_yaml} (output: {train_dir}; its log: {log})", flush=True)
+            watch = None if verbose else runner.TrainerProgress(train_dir / "trainer_log.jsonl", disable=not progress)
+            runner.launch(runner.llamafactory_command("train", train_yaml), env, log, progress=watch)
 
         export.build_model_dir(params.finetuning_type, model_path, train_dir, out_dir / "model", lf_dir, env)
 
@@ -157,9 +161,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, required=True, help="base model: a Hugging Face model directory")
     parser.add_argument("--dataset", type=Path, required=True, help="LLaMA-Factory dataset folder (the synth stage's)")
     parser.add_argument("--out", type=Path, required=True, help="output folder")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--verbose", action="store_true",
+                        help="stream LLaMA-Factory's own output here (it always goes to OUT/llamafactory/train.log)")
     args = parser.parse_args(argv)
     try:
-        metrics = run_sft(args.params, args.model, args.dataset, args.out)
+        metrics = run_sft(args.params, args.model, args.dataset, args.out, progress=not args.no_progress,
+                          verbose=args.verbose)
     except (ParamsError, checks.InputError, FileNotFoundError) as err:
         print(f"sft: {err}", file=sys.stderr)
         return 2

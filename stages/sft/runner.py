@@ -1,9 +1,10 @@
 """Running `llamafactory-cli` in a subprocess: its output streamed, its failure explained, its run resumable.
 
 - `launch` starts `python -m llamafactory.cli <command> <yaml>` with the interpreter running this stage (so
-  the stage's environment is LLaMA-Factory's), streams its output byte for byte to our console (progress bars
-  included) and to a log file, and on failure raises `TrainingFailed` holding the end of that output: the
-  traceback when there is one.
+  the stage's environment is LLaMA-Factory's), writes its output to a log file and either streams it byte for
+  byte to our console or, by default in the stage, shows one progress bar instead (`TrainerProgress`, fed by
+  the trainer's own log); on failure it raises `TrainingFailed` holding the end of that output: the traceback
+  when there is one.
 - The child dies with us: a wrapper sets Linux's parent-death signal before exec'ing the command, so a stage
   killed by a scheduler does not leave a trainer writing checkpoints behind it.
 - MLflow: the child reports through LLaMA-Factory's own `report_to: mlflow` (transformers' MLflowCallback),
@@ -99,8 +100,57 @@ def child_environment(run_id: str | None, tracking_uri: str | None, force_torchr
     return env
 
 
-def launch(args: list[str], env: dict[str, str], log_path: Path, console: BinaryIO | None = None) -> None:
-    """Run `args`, streaming its output to `console` and appending it to `log_path`; raise on failure."""
+class TrainerProgress:
+    """One progress bar for a LLaMA-Factory run, fed by its `trainer_log.jsonl` rather than its console.
+
+    LLaMA-Factory's LogCallback (llamafactory/train/callbacks.py, `on_log`) appends a JSON line to
+    `<output_dir>/trainer_log.jsonl` every `logging_steps` with `current_steps`, `total_steps` and `loss`; that
+    file is the trainer's own account of its progress, so the bar needs no parsing of console text. `poll`
+    reads the lines added since the last call (a resumed run appends to the same file)."""
+
+    def __init__(self, trainer_log: Path, desc: str = "sft: train", disable: bool = False):
+        from tqdm import tqdm
+
+        self.path, self.offset = trainer_log, trainer_log.stat().st_size if trainer_log.is_file() else 0
+        # Kept here as well as on the bar: a disabled bar counts nothing.
+        self.step: int = 0
+        self.total: int | None = None
+        self.loss: float | None = None
+        self.bar = tqdm(total=None, desc=desc, unit="step", disable=disable, dynamic_ncols=True)
+
+    def poll(self) -> None:
+        try:
+            with self.path.open("rb") as handle:
+                handle.seek(self.offset)
+                data = handle.read()
+        except OSError:
+            return
+        complete = data[: data.rfind(b"\n") + 1]  # a line still being written waits for the next poll
+        self.offset += len(complete)
+        for line in complete.decode("utf-8", errors="replace").splitlines():
+            try:
+                entry = json.loads(line)
+                step, total = int(entry["current_steps"]), int(entry["total_steps"])
+            except (ValueError, KeyError, TypeError):
+                continue
+            if self.total != total:
+                self.total = total
+                self.bar.reset(total=total)
+            self.bar.update(step - self.step)
+            self.step = step
+            if entry.get("loss") is not None:
+                self.loss = float(entry["loss"])
+                self.bar.set_postfix(loss=f"{self.loss:.4f}", refresh=False)
+
+    def close(self) -> None:
+        self.poll()
+        self.bar.close()
+
+
+def launch(args: list[str], env: dict[str, str], log_path: Path, console: BinaryIO | None = None,
+           progress: TrainerProgress | None = None) -> None:
+    """Run `args`, appending its output to `log_path`; raise on failure. Without `progress` the output is also
+    streamed to `console` byte for byte; with it the console shows only that bar (the log keeps everything)."""
     console = console if console is not None else sys.stdout.buffer
     log_path.parent.mkdir(parents=True, exist_ok=True)
     wrapped = [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *args]
@@ -111,14 +161,20 @@ def launch(args: list[str], env: dict[str, str], log_path: Path, console: Binary
         try:
             assert process.stdout is not None
             while chunk := process.stdout.read1(65536):
-                console.write(chunk)
-                console.flush()
+                if progress is None:
+                    console.write(chunk)
+                    console.flush()
+                else:
+                    progress.poll()
                 log.write(chunk)
                 tail = (tail + chunk)[-TAIL_BYTES:]
             returncode = process.wait()
         except BaseException:  # Ctrl-C or a stage time-out: stop the trainer too, then let it propagate
             _stop(process)
             raise
+        finally:
+            if progress is not None:
+                progress.close()
     if returncode != 0:
         command = args[3] if len(args) > 3 else "?"
         raise TrainingFailed(command, returncode, error_tail(tail), log_path)
