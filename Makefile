@@ -21,7 +21,7 @@ export TOKENIZERS_PARALLELISM := false
 export PYTHONUNBUFFERED := 1
 export DVC_NO_ANALYTICS := 1
 
-.PHONY: run ui test test-slow venv lock clean
+.PHONY: run ui test test-slow test-learning venv lock clean
 
 # The Prefect flow over dvc.yaml: every stage DVC finds out of date, then a summary and where to look.
 run: $(STAMP)
@@ -36,6 +36,10 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+
+# SFT and RL improving the default tiny model on held-out questions (tests/test_learning.py, ~15 minutes).
+test-learning: $(STAMP)
+	$(PY) -m pytest -q -m learning $(PYTEST_ARGS)
 
 venv: $(STAMP)
 

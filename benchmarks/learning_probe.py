@@ -9,8 +9,10 @@ touched):
    synthetic` (loupe.data.synthetic, `--data` overrides SyntheticConfig);
 3. `python -m stages.synth` with the oracle teacher on the train split (`--synth` overrides the synth section);
 4. `python -m stages.sft` (`--sft` overrides the sft section: epochs, learning rate, freeze_vision_tower, ...);
-5. `python -m stages.eval` of the base model (unless `--skip-base`) and of the SFT model on the test split
-   (>= 200 held-out questions by default, `--eval` overrides the eval section, e.g. samples).
+5. `python -m stages.rl` from the SFT model when `--rl` is given (JSON merged into the rl section);
+6. one `python -m stages.eval` of the base model (unless `--skip-base`), the SFT model and the RL model on the
+   test split (>= 200 held-out questions by default, `--eval` overrides the eval section, e.g. samples), into
+   `<out>/eval/<name>/` with the stage's comparison (95% bootstrap intervals) in `<out>/eval/metrics.json`.
 
 It prints, per model, accuracy (Avg@K) against the split's chance rate (best constant answer for free-form
 questions, 1 / option count for choice ones), pass@K, the valid-turn rate, mean turns and tool calls, end
@@ -241,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
                                "synth": over["synth"], "sft": params["sft"], "eval": over["eval"],
                                "no_zoom": args.no_zoom, "seconds": {}}
 
+    if args.eval_only:
+        args.reuse = True
     started = time.perf_counter()
     if not (args.reuse and model.is_dir()):
         defaults = {"text_hidden": params["model"].get("tiny_text_hidden", 64),
@@ -269,8 +273,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[probe] model and tasks ready; test chance rate {summary['chance']:.3f}", flush=True)
 
     p = ["--params", str(params_file)]
-    if args.eval_only:
-        args.reuse = True
     if not (args.reuse and (out / "synth" / "dataset").is_dir()):
         summary["seconds"]["synth"] = round(run_stage("synth", [*p, "--tasks", str(tasks), "--out", str(out / "synth"),
                                                                "--no-progress"], out / "synth.log"), 1)
@@ -286,17 +288,23 @@ def main(argv: list[str] | None = None) -> int:
                                                                "epochs", "samples_per_second", "train_runtime_s")}
     print(f"[probe] sft done in {summary['seconds'].get('sft', 0):.0f}s: {summary['sft_metrics']}", flush=True)
     models = {"sft": out / "sft" / "model"} if args.skip_base else {"base": model, "sft": out / "sft" / "model"}
-    if args.rl is not None:
+    if args.rl is not None and not (args.eval_only and (out / "rl" / "model").is_dir()):
         summary["seconds"]["rl"] = round(run_stage("rl", [*p, "--model", str(out / "sft" / "model"), "--tasks",
                                                          str(tasks), "--out", str(out / "rl"), "--no-progress"],
                                                    out / "rl.log"), 1)
+    if args.rl is not None:
         models["rl"] = out / "rl" / "model"
+    # One eval run scores every model on the same questions (the stage's comparison, with intervals).
+    model_args = [arg for name, path in models.items() for arg in ("--model", f"{name}={path}")]
+    summary["seconds"]["eval"] = round(run_stage("eval", [*p, *model_args, "--out", str(out / "eval"),
+                                                          "--no-progress"], out / "eval.log"), 1)
+    comparison = json.loads((out / "eval" / "metrics.json").read_text())
+    entry = comparison[comparison["benchmarks"][0]]
     summary["models"] = {}
-    for name, path in models.items():
-        summary["seconds"][f"eval_{name}"] = round(run_stage("eval", [*p, "--model", str(path), "--out",
-                                                                     str(out / f"eval-{name}"), "--no-progress"],
-                                                             out / f"eval-{name}.log"), 1)
-        summary["models"][name] = eval_summary(out / f"eval-{name}", tasks)
+    for name in models:
+        summary["models"][name] = {**eval_summary(out / "eval" / name, tasks),
+                                   "accuracy_ci": [entry[name]["accuracy_ci_low"], entry[name]["accuracy_ci_high"]],
+                                   "turn_scaling": entry[name]["turn_scaling"]}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
 
     print(f"\n{args.family} tasks, test chance rate {summary['chance']:.3f}; synth kept {summary['synth_kept']}; "
@@ -306,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         acc = m["accuracy"] if m["accuracy"] is not None else float("nan")
         print(f"{name:6} {acc:8.3f} {m['pass@k'] or 0:7.3f} {m['valid_turn_rate'] or 0:6.3f} "
               f"{m['mean_turns'] or 0:6.2f} {m['mean_tool_calls'] or 0:6.2f}  {m['answers']}")
+        print(f"       95% interval {m['accuracy_ci']}, accuracy by turn limit {m['turn_scaling']}")
         print(f"       last crop holds the target in {m['last_crop_holds_target']} of {m['answered']} answered; "
               f"accuracy then {m['accuracy_when_held']}, otherwise {m['accuracy_when_missed']}")
     print("seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in summary["seconds"].items()))

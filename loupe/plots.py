@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -11,6 +12,16 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from loupe.io import atomic_write_bytes  # noqa: E402
+
+
+def save_figure(fig: Any, out_png: str | Path) -> Path:
+    """Lay out `fig`, write it as a PNG atomically (a reader never sees half a file) and close it."""
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    plt.close(fig)
+    atomic_write_bytes(Path(out_png), buffer.getvalue())
+    return Path(out_png)
 
 
 def line_plot(
@@ -37,12 +48,7 @@ def line_plot(
     ax.grid(alpha=0.3)
     if len(series) > 1 or any(series):
         ax.legend()
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    plt.close(fig)
-    atomic_write_bytes(Path(out_png), buffer.getvalue())
-    return Path(out_png)
+    return save_figure(fig, out_png)
 
 
 def bar_plot(
@@ -66,9 +72,4 @@ def bar_plot(
     ax.grid(alpha=0.3, axis="y")
     if len(series) > 1:
         ax.legend()
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    plt.close(fig)
-    atomic_write_bytes(Path(out_png), buffer.getvalue())
-    return Path(out_png)
+    return save_figure(fig, out_png)

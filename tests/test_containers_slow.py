@@ -138,8 +138,8 @@ def test_eval_in_its_image_matches_a_local_run(images, case):
     out = case["base"] / "eval"
     local, container, _ = _local_then_container(
         "eval", ["--params", str(case["params"]), "--model", str(case["model"])], out, case["base"])
-    assert local["metrics.json"]["benchmarks"]["synthetic"]["samples_per_question"] == 2
-    assert "trajectories/synthetic.jsonl" in local and "plots/turn_scaling.png" in local
+    assert local["metrics.json"]["synthetic"]["samples_per_question"] == 2  # the comparison, of one model
+    assert "model/trajectories/synthetic.jsonl" in local and "model/plots/turn_scaling.png" in local
     _assert_same(local, container)
     assert len(_mlflow_runs(case["base"], "eval")) == 2
 

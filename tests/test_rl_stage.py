@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import types
 from pathlib import Path
 
 import pytest
@@ -160,7 +161,8 @@ def test_outputs_tracking_validation_kl_and_eval(tiny_model_dir, toy_dir, tmp_pa
     monkeypatch.setenv("LOUPE_WORK", str(tmp_path))
     params = write_params(
         tmp_path / "params.yaml",
-        {"steps": 2, "val_every": 1, "val_prompts": 2, "sample_trajectories_every": 2, "kl": {"coef": 0.05},
+        {"steps": 2, "val_every": 1, "val_prompts": 2, "val_temperature": 0.5, "sample_trajectories_every": 2,
+         "kl": {"coef": 0.05},
          "entropy_coef": 0.01, "reward": {"accuracy_weight": 1.0}, "custom_reward": None},
         protocol={"name": "mini_o3", "max_turns": 2},
         rollout={"max_new_tokens": 6},
@@ -169,7 +171,8 @@ def test_outputs_tracking_validation_kl_and_eval(tiny_model_dir, toy_dir, tmp_pa
     metrics = _train(params, tiny_model_dir, toy_dir, out)
 
     train, val = _rows(out), _rows(out, "val")
-    assert [r["step"] for r in train] == [1, 2] and [r["step"] for r in val] == [1, 2]
+    # validation before step 1 (val_before_train), then after every step
+    assert [r["step"] for r in train] == [1, 2] and [r["step"] for r in val] == [0, 1, 2]
     for key in ("reward/mean", "reward/accuracy", "reward/format", "rollout/turns", "rollout/over_turn_rate",
                 "rollout/response_length", "end_reason/answered", "end_reason/length", "update/kl", "update/entropy",
                 "update/clip_frac", "update/grad_norm", "time/rollout", "time/update", "throughput/rollout_tokens_per_s"):
@@ -189,7 +192,7 @@ def test_outputs_tracking_validation_kl_and_eval(tiny_model_dir, toy_dir, tmp_pa
     assert run.data.tags["loupe.stage"] == "rl"
     history = client.get_metric_history(run.info.run_id, "reward/mean")
     assert sorted(m.step for m in history) == [1, 2]
-    assert {m.step for m in client.get_metric_history(run.info.run_id, "val/accuracy")} == {1, 2}
+    assert {m.step for m in client.get_metric_history(run.info.run_id, "val/accuracy")} == {0, 1, 2}
     for key in ("update/kl", "update/entropy", "update/clip_frac", "update/grad_norm", "time/update"):
         assert client.get_metric_history(run.info.run_id, key), key
 
@@ -280,3 +283,17 @@ def test_a_sigkilled_process_resumes_to_the_same_weights(tiny_model_dir, toy_dir
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     _assert_same_weights(_weights(tmp_path / "straight" / "model"), _weights(out / "model"))
     assert [r["reward/mean"] for r in _rows(tmp_path / "straight")] == [r["reward/mean"] for r in _rows(out)]
+
+
+def test_validation_samples_at_its_own_temperature_and_training_keeps_its_own(monkeypatch):
+    from stages.rl import workers
+
+    seen = []
+    engine = types.SimpleNamespace(name="transformers", temperature=1.0)
+    monkeypatch.setattr(workers, "run_rollouts", lambda *args, **kwargs: seen.append(engine.temperature) or [])
+    worker = object.__new__(workers.RolloutWorker)
+    worker.engine, worker.protocol, worker.image_root = engine, None, "."
+    task = object()
+    worker.rollout([task], 2, seed=0, max_turns=2, max_new_tokens=4, temperature=0.5)
+    worker.rollout([task], 2, seed=0, max_turns=2, max_new_tokens=4)
+    assert seen == [0.5, 1.0] and engine.temperature == 1.0

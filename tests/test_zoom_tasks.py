@@ -84,24 +84,24 @@ def test_the_question_names_the_cell_and_the_view_box_holds_the_frame_there():
     boxes: dict[str, set[tuple[float, ...]]] = {}
     for index in range(40):
         record, image, layout = draw_zoom_task(cfg, "train", index)
-        cell = next(name for name in CELL_NAMES[cfg.grid] if f"in the {name} of the image" in record.problem)
+        cell = next(name for name in CELL_NAMES[cfg.grid_shape] if f" the {name} of the image" in record.problem)
         boxes.setdefault(cell, set()).add(tuple(record.bbox))
         x0, y0, x1, y1 = record.bbox
         fx0, fy0, fx1, fy1 = layout["frames"][0]
         assert x0 * image.width <= fx0 and fx1 <= x1 * image.width and y0 * image.height <= fy0 and fy1 <= y1 * image.height
         assert x1 - x0 == pytest.approx(cfg.view_side) and y1 - y0 == pytest.approx(cfg.view_side)
     assert all(len(b) == 1 for b in boxes.values())  # one box per cell: where to zoom follows from the words
-    assert len(boxes) == cfg.grid ** 2
+    assert len(boxes) == cfg.grid_shape[0] * cfg.grid_shape[1]
 
 
 def test_without_the_hint_the_question_does_not_say_where():
     cfg = ZoomTaskConfig(location_hint=False, bbox_target="marker")
     record, _, _ = draw_zoom_task(cfg, "train", 0)
-    assert not any(name in record.problem for name in CELL_NAMES[3])
+    assert not any(name in record.problem for names in CELL_NAMES.values() for name in names)
 
 
 def test_the_patch_is_drawn_in_its_colour_inside_the_named_frame():
-    cfg = ZoomTaskConfig(markers=(2, 4))
+    cfg = ZoomTaskConfig(markers=(2, 4), grid=2, grid_rows=None)
     for index in range(12):
         record, image, layout = draw_zoom_task(cfg, "train", index)
         pixels = np.asarray(image)
@@ -161,7 +161,8 @@ def test_the_oracle_teacher_answers_right_through_the_loop(generated):
     (dict(colours=("red", "red", "blue")), "colours"),
     (dict(patch_size=(0.01, 0.08)), "patch_size"),
     (dict(markers=(3, 2)), "markers"),
-    (dict(grid=2, markers=(5, 5)), "grid"),
+    (dict(grid=2, grid_rows=None, markers=(5, 5)), "grid"),
+    (dict(grid=3, markers=(4, 4)), "grid"),
     (dict(colour_count=4), "colour_count"),
     (dict(grid=4, markers=(1, 1)), "location_hint"),
     (dict(view_side=0.05), "view_side"),

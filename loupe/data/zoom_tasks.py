@@ -48,11 +48,15 @@ _MAX_ATTEMPTS = 20
 DATA_SOURCE = "zoom"
 
 CELL_NAMES = {
-    2: ("upper left part", "upper right part", "lower left part", "lower right part"),
-    3: ("upper left part", "upper middle part", "upper right part", "left side", "centre", "right side",
-        "lower left part", "lower middle part", "lower right part"),
+    (1, 2): ("left", "right"),
+    (1, 3): ("left", "middle", "right"),
+    (2, 2): ("upper left part", "upper right part", "lower left part", "lower right part"),
+    (3, 3): ("upper left part", "upper middle part", "upper right part", "left side", "centre", "right side",
+             "lower left part", "lower middle part", "lower right part"),
 }
-"""Cells of a 2x2 or 3x3 grid in words, row-major (the oracle's reasoning names areas the same way)."""
+"""Cells of a (rows, columns) grid in words, row-major. One row: one word a cell, the word right before "of the
+image": the tiny model learns to read the word just before the phrase that follows a cell's name and misses
+one a word further back ("upper" in "upper left part", "left" in "left side"; docs/learning.md)."""
 
 ColourName = Literal["red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black", "white"]
 CanvasSide = Annotated[int, Field(ge=256, le=4096)]
@@ -84,8 +88,13 @@ class ZoomTaskConfig(SplitConfig):
     """[min, max] side of the answer patch (and of the decoys)."""
     decoys: tuple[Annotated[int, Field(ge=0, le=200)], Annotated[int, Field(ge=0, le=200)]] = (8, 16)
     """[min, max] decoy patches of the answer colours scattered away from the frames (and their view boxes)."""
-    grid: int | None = Field(2, ge=1, le=6)
-    """Frames sit at the centres of a grid x grid layout (with `grid_jitter`); None places them anywhere."""
+    grid: int | None = Field(3, ge=1, le=6)
+    """Frames sit at the centres of the cells of a grid `grid` columns wide (with `grid_jitter`); None places
+    them anywhere."""
+    grid_rows: int | None = Field(1, ge=1, le=6)
+    """Rows of that grid; None: as many as columns (a square grid). One row of three (left, middle, right) is the
+    default: the tiny model learns to carry a one-word cell name from the question into its box, and misses
+    the first word of a two-word one (docs/learning.md)."""
     grid_jitter: float = Field(0.0, ge=0, le=0.3)
     """Largest shift of a frame from its cell's centre, as a fraction of the cell."""
     answer_format: Literal["free", "choice"] = "free"
@@ -104,7 +113,8 @@ class ZoomTaskConfig(SplitConfig):
     location_hint: bool = True
     """Name the frame's grid cell in the question ("... in the upper left part of the image"): where to zoom
     is then read from the question and what to answer from the crop, which the tiny model learns in minutes
-    (docs/learning.md). False: the frame must be found by sight, a harder setting. Needs `grid` 2 or 3."""
+    (docs/learning.md). False: the frame must be found by sight, a harder setting. Needs a grid named in
+    CELL_NAMES (1x2, 1x3, 2x2, 3x3)."""
     png_compress_level: int = Field(1, ge=0, le=9)
     """zlib level of the saved PNGs: lower is faster and larger; pixels are the same at every level."""
 
@@ -130,23 +140,31 @@ class ZoomTaskConfig(SplitConfig):
             raise ValueError("marker_colours: a frame colour may not also be an answer colour")
         if len(self.marker_colours) < self.markers[1]:
             raise ValueError(f"marker_colours: {self.markers[1]} frames need as many distinct frame colours")
-        if self.location_hint and self.grid not in CELL_NAMES:
-            raise ValueError("location_hint: cells are named on a 2x2 or 3x3 grid; set grid: 2 or 3, or "
-                             "location_hint: false")
+        if self.location_hint and self.grid_shape not in CELL_NAMES:
+            raise ValueError(f"location_hint: cells are named on a {', '.join(f'{r}x{c}' for r, c in CELL_NAMES)} "
+                             "grid (grid_rows x grid); pick one of those, or location_hint: false")
         if self.bbox_target == "view":
             if self.grid is None:
                 raise ValueError("bbox_target: view boxes sit on grid cells; set a grid or another bbox_target")
-            reach = self.grid_jitter / self.grid + self.marker_size[1] / 2  # farthest frame edge from the cell centre
+            reach = self.grid_jitter / min(self.grid_shape) + self.marker_size[1] / 2  # farthest frame edge from a cell centre
             if reach > self.view_side / 2:
                 raise ValueError(f"view_side: {self.view_side} cannot hold a frame {reach:.3f} from its cell centre; "
                                  f"use at least {2 * reach:.3f}")
-        if self.grid is not None and self.grid * self.grid < self.markers[1]:
-            raise ValueError(f"grid: {self.grid}x{self.grid} cells cannot hold {self.markers[1]} frames")
+        if self.grid is not None and self.grid_shape[0] * self.grid_shape[1] < self.markers[1]:
+            raise ValueError(f"grid: {self.grid_shape[0]}x{self.grid_shape[1]} cells cannot hold "
+                             f"{self.markers[1]} frames")
         inner = self.marker_size[0] * (1 - 2 * self.frame_width)
         if self.patch_size[1] > 0.6 * inner:
             raise ValueError("patch_size: the largest patch must fit well inside the smallest frame's opening "
                              f"(at most {0.6 * inner:.4f})")
         return self
+
+    @property
+    def grid_shape(self) -> tuple[int, int] | None:
+        """(rows, columns) of the grid, None without one."""
+        if self.grid is None:
+            return None
+        return (self.grid if self.grid_rows is None else self.grid_rows, self.grid)
 
 
 class _NoRoom(Exception):
@@ -167,13 +185,13 @@ def _marker_centres(rng: np.random.Generator, cfg: ZoomTaskConfig, canvas: Canva
     """Centres of `count` frames `side` px wide and their grid cells (row-major; None without a grid):
     distinct grid cells, or free spots apart from each other."""
     edge = max(4, side // 4)
-    if cfg.grid is not None:
-        g = cfg.grid
-        cell_w, cell_h = canvas.width / g, canvas.height / g
-        centres, cells = [], rng.permutation(g * g)[:count].tolist()
+    if cfg.grid_shape is not None:
+        rows, cols = cfg.grid_shape
+        cell_w, cell_h = canvas.width / cols, canvas.height / rows
+        centres, cells = [], rng.permutation(rows * cols)[:count].tolist()
         for cell in cells:
-            cx = (cell % g + 0.5) * cell_w + rng.uniform(-1, 1) * cfg.grid_jitter * cell_w
-            cy = (cell // g + 0.5) * cell_h + rng.uniform(-1, 1) * cfg.grid_jitter * cell_h
+            cx = (cell % cols + 0.5) * cell_w + rng.uniform(-1, 1) * cfg.grid_jitter * cell_w
+            cy = (cell // cols + 0.5) * cell_h + rng.uniform(-1, 1) * cfg.grid_jitter * cell_h
             half = side / 2 + edge
             centres.append((round(min(max(cx, half), canvas.width - half)),
                             round(min(max(cy, half), canvas.height - half))))
@@ -192,10 +210,12 @@ def _marker_centres(rng: np.random.Generator, cfg: ZoomTaskConfig, canvas: Canva
 
 
 
-def _view_box(cell: int, grid: int, side: float) -> list[float]:
-    """The fixed box of relative side `side` around `cell`'s centre, shifted inside the image, 2 decimals."""
+def _view_box(cell: int, shape: tuple[int, int], side: float) -> list[float]:
+    """The fixed box of relative side `side` around the centre of `cell` of a (rows, columns) grid, shifted
+    inside the image, 2 decimals."""
+    rows, cols = shape
     box = []
-    for centre in ((cell % grid + 0.5) / grid, (cell // grid + 0.5) / grid):
+    for centre in ((cell % cols + 0.5) / cols, (cell // cols + 0.5) / rows):
         low = min(max(centre - side / 2, 0.0), 1.0 - side)
         box.append((round(low, 2), round(low + side, 2)))
     return [box[0][0], box[1][0], box[0][1], box[1][1]]
@@ -242,7 +262,7 @@ def draw_zoom_task(cfg: ZoomTaskConfig, split: str, index: int) -> tuple[TaskRec
 
     if cfg.bbox_target == "view":  # a zoom on a view shows one patch only: decoys stay out of every view box
         for cell in cells:
-            vx0, vy0, vx1, vy1 = _view_box(cell, cfg.grid, cfg.view_side)
+            vx0, vy0, vx1, vy1 = _view_box(cell, cfg.grid_shape, cfg.view_side)
             canvas.reserve((int(vx0 * width), int(vy0 * height), math.ceil(vx1 * width), math.ceil(vy1 * height)))
     decoys = []
     footprint = (-(patch // 2), -(patch // 2), patch - patch // 2, patch - patch // 2)
@@ -255,7 +275,10 @@ def draw_zoom_task(cfg: ZoomTaskConfig, split: str, index: int) -> tuple[TaskRec
         canvas.reserve(square, 2 * patch)
         decoys.append(square)
 
-    where = f" in the {CELL_NAMES[cfg.grid][cells[0]]} of the image" if cfg.location_hint else ""
+    where = ""
+    if cfg.location_hint:
+        cell_name = CELL_NAMES[cfg.grid_shape][cells[0]]
+        where = f" {'on' if cell_name in ('left', 'right') else 'in'} the {cell_name} of the image"
     ask = f"What colour is the small square inside the {frame_colours[0]} frame{where}?"
     if cfg.answer_format == "choice":
         n = min(cfg.option_count, len(cfg.colours))
@@ -266,7 +289,7 @@ def draw_zoom_task(cfg: ZoomTaskConfig, split: str, index: int) -> tuple[TaskRec
     else:
         options, solution, problem = None, answer, f"{ask} Answer with one colour word."
     if cfg.bbox_target == "view":
-        bbox = _view_box(cells[0], cfg.grid, cfg.view_side)
+        bbox = _view_box(cells[0], cfg.grid_shape, cfg.view_side)
     else:
         bbox = _relative_box(frames[0] if cfg.bbox_target == "marker" else patches[0], width, height)
     record = TaskRecord(

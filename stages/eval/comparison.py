@@ -10,7 +10,6 @@ SciPy is imported here and not in metrics.py, which the rl stage imports too (it
 
 from __future__ import annotations
 
-import io
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -25,7 +24,7 @@ import numpy as np  # noqa: E402
 from scipy import stats  # noqa: E402
 
 from loupe.data.tasks import TaskRecord, chance_rate  # noqa: E402
-from loupe.io import atomic_write_bytes  # noqa: E402
+from loupe.plots import save_figure  # noqa: E402
 from stages.eval.metrics import SampleRecord, correct_within  # noqa: E402
 
 CONFIDENCE = 0.95
@@ -163,9 +162,4 @@ def comparison_plot(comparison: dict[str, Any], out_png: str | Path) -> Path:
         curves.set_title(f"{benchmark}: accuracy vs turn limit")
         curves.grid(alpha=0.3)
         curves.legend()
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    plt.close(fig)
-    atomic_write_bytes(Path(out_png), buffer.getvalue())
-    return Path(out_png)
+    return save_figure(fig, out_png)

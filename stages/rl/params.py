@@ -171,6 +171,12 @@ class RLParams(Section):
     """Val questions used (the first N); None for the whole split."""
     val_samples: int = Field(1, ge=1)
     """Samples per val question."""
+    val_temperature: float | None = Field(None, ge=0)
+    """Sampling temperature of validation (the eval stage's, say, so the curve and the final verdict measure
+    the same thing); None samples as training does. verl samples validation apart too (`val_kwargs`)."""
+    val_before_train: bool = True
+    """Validate the starting model before step 1 (verl's `val_before_train`): the curve's first point is where
+    RL began. Not repeated when a run resumes."""
     sample_trajectories_every: int = Field(2, ge=0)
     """Steps between HTML pages of sampled training trajectories (out/samples/step_N.html); 0 is never."""
     viewer_trajectories: int = Field(16, ge=1)

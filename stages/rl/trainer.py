@@ -379,7 +379,8 @@ class Trainer:
         i, p = self.inputs, self.params
         # Spread over every rollout worker, each with its own stream.
         seeds = [derive_seed(i.seed, step, VAL_SEED_TAG, w) for w in range(p.ray.num_workers)]
-        trajectories, _ = self.workers.rollout(i.val, p.val_samples, seeds, i.max_turns, i.rollout.max_new_tokens)
+        trajectories, _ = self.workers.rollout(i.val, p.val_samples, seeds, i.max_turns, i.rollout.max_new_tokens,
+                                               p.val_temperature)
         for t, rewards in zip(trajectories, self.reward.score(trajectories)):
             t.rewards = rewards
         summary = summarize(trajectories, [i.max_turns])
@@ -412,6 +413,8 @@ class Trainer:
         self._start()
         try:
             bar = tqdm(total=p.steps, initial=self.step, desc="rl", unit="step", disable=not self.progress)
+            if p.val_every and p.val_before_train and self.step == 0:
+                self._record(self.validate(0))
             for step in range(self.step + 1, p.steps + 1):
                 row = self.train_step(step)
                 self._record(row)

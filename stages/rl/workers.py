@@ -76,9 +76,17 @@ class RolloutWorker:
             raise ValueError(f"rl: the {rollout.engine} engine keeps no token trace; use transformers or vllm")
 
     def rollout(
-        self, tasks: list[TaskRecord], samples: int, seed: int, max_turns: int, max_new_tokens: int
+        self, tasks: list[TaskRecord], samples: int, seed: int, max_turns: int, max_new_tokens: int,
+        temperature: float | None = None,
     ) -> tuple[list[Trajectory], RolloutStats]:
-        """`samples` trajectories per task, sampled from a generator seeded with `seed`."""
+        """`samples` trajectories per task, sampled from a generator seeded with `seed`, at `temperature` for
+        this call (validation's) or the engine's own."""
+        if temperature is not None and temperature != self.engine.temperature:
+            trained, self.engine.temperature = self.engine.temperature, temperature
+            try:
+                return self.rollout(tasks, samples, seed, max_turns, max_new_tokens)
+            finally:
+                self.engine.temperature = trained
         torch.manual_seed(seed)
         if self.engine.name == "vllm":
             # vLLM samples from per-request seeds (distinct per sample) derived from the engine's seed: reseed it
@@ -225,12 +233,14 @@ class WorkerSet:
         return [p.result() for p in pending]
 
     def rollout(
-        self, tasks: list[TaskRecord], samples: int, seeds: list[int], max_turns: int, max_new_tokens: int
+        self, tasks: list[TaskRecord], samples: int, seeds: list[int], max_turns: int, max_new_tokens: int,
+        temperature: float | None = None,
     ) -> tuple[list[Trajectory], RolloutStats]:
         """Every task's `samples` trajectories, task order kept; worker i samples with `seeds[i]`."""
         shares = split_evenly(tasks, len(self.workers))
         results = self._call(
-            [(w, "rollout", (share, samples, seeds[i], max_turns, max_new_tokens)) for i, (w, share) in enumerate(zip(self.workers, shares))]
+            [(w, "rollout", (share, samples, seeds[i], max_turns, max_new_tokens, temperature))
+             for i, (w, share) in enumerate(zip(self.workers, shares))]
         )
         trajectories: list[Trajectory] = []
         total = RolloutStats()
