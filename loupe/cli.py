@@ -84,8 +84,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     print("                                   run per stage, with lineage tags, data sets and artefacts")
     logs = sorted((root / LOG_DIR).glob("*.log"))
     if logs:
-        print(f"  {LOG_DIR}/<stage>.log              everything each stage printed (LLaMA-Factory's, Ray's and DVC's "
-              f"records too); flow.log: Prefect's")
+        print(f"  {f'{LOG_DIR}/<stage>.log':<32} everything each stage printed (LLaMA-Factory's, Ray's and DVC's")
+        print(f"  {'':<32} records too); flow.log: Prefect's")
     for label, page in _viewer_pages(root / "work"):
         print(f"  {label} trajectories, turn by turn with every crop: {page.as_uri()}")
     comparison = root / "work" / "eval" / "plots" / "comparison.png"

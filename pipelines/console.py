@@ -21,6 +21,8 @@ NOISE = (
     # transformers' and LLaMA-Factory's logging format, and transformers' deprecation notes.
     re.compile(r"^\[(INFO|WARNING|DEBUG)\|"),
     re.compile(r"^\[transformers\] "),
+    # transformers' bars around loading and saving a model (seconds, and several per stage).
+    re.compile(r"^(Loading weights|Loading checkpoint shards|Writing model shards): "),
     # Ray's driver logging ("2026-11-24 01:15:39,951\tINFO worker.py:2038 -- Started a local Ray instance.").
     re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\s+(INFO|WARNING|DEBUG)\s"),
     # Ray's worker output forwarded to the driver ("(RolloutWorker pid=123) ...", "(raylet) ...").

@@ -19,6 +19,7 @@ Launch (dvc.yaml does this as stage `data`):
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections import Counter
@@ -102,14 +103,17 @@ def _bar_png(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def prepare(params_path: Path, tiny_model: Path, out_dir: Path, progress: bool = True) -> dict:
-    """Build the tiny model and the task set inside the stage's MLflow run; returns metrics.json's content."""
+def prepare(params_path: Path, tiny_model: Path, out_dir: Path, progress: bool = True, workers: int = 1) -> dict:
+    """Build the tiny model and the task set inside the stage's MLflow run; returns metrics.json's content.
+
+    `workers` processes draw the tasks; the files are byte-identical for any count (loupe.data.splits), so it is
+    an argument, not a parameter: changing it must not rerun the stage."""
     model = load_section(ModelParams, "model", params_path)
     data = load_section(DataParams, "data", params_path)
     started = time.perf_counter()
     with stage_run("data", params={"data": data.model_dump(mode="json"), "model": model.model_dump(mode="json")}) as run:
         parameters, perception = build_tiny(tiny_model, model, progress)
-        generate_family(out_dir / "tasks", data, progress=progress)
+        generate_family(out_dir / "tasks", data, progress=progress, workers=workers)
         metrics, rows = task_metrics(out_dir / "tasks")
         metrics["tiny_model_parameters"] = parameters
         if perception:
@@ -129,10 +133,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--params", type=Path, default=Path("params.yaml"))
     parser.add_argument("--tiny-model", type=Path, required=True, help="where the tiny model is built")
     parser.add_argument("--out", type=Path, required=True, help="output folder (tasks/, metrics.json, plots/)")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                        help="processes drawing the tasks (default: one per core; the output is the same for any)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
     try:
-        metrics = prepare(args.params, args.tiny_model, args.out, progress=not args.no_progress)
+        metrics = prepare(args.params, args.tiny_model, args.out, progress=not args.no_progress,
+                          workers=max(1, args.workers))
     except (ParamsError, FileNotFoundError, ValueError) as err:
         print(f"data: {err}", file=sys.stderr)
         return 2

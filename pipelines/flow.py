@@ -33,12 +33,17 @@ def prefect_environment(root: Path) -> None:
 
     The home (its SQLite database) stays in the workspace; a fresh home's migrations take longer than the
     default 20 s start-up allowance of the temporary server (DESIGN.md section 7), and analytics stay off.
-    An explicit setting in the environment always wins.
+    The memo store is named too: its default ignores PREFECT_HOME (prefect/settings/models/_defaults.py,
+    default_memo_store_path) and warns on every run when ~/.prefect is missing. MLflow's INFO records (its
+    database migrations on the first run) stay off the terminal. An explicit setting in the environment
+    always wins.
     """
     os.environ.setdefault("PREFECT_HOME", str(root / "work" / "prefect"))
     Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)  # Prefect makes only the last level
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_SERVER_MEMO_STORE_PATH", str(Path(os.environ["PREFECT_HOME"]) / "memo_store.toml"))
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("DVC_NO_ANALYTICS", "1")
 
 

@@ -27,6 +27,8 @@ LIBRARY_LINES = [
     "To enable auto staging, run:",
     "\tdvc config core.autostage true",
     "Use `dvc push` to send your updates to remote storage.",
+    "Loading weights: 100%|██████████| 80/80 [00:00<00:00, 20211.08it/s]",
+    "Writing model shards: 100%|██████████| 1/1 [00:00<00:00, 100.57it/s]",
 ]
 STAGE_LINES = [
     "Running stage 'sft':",
@@ -34,6 +36,7 @@ STAGE_LINES = [
     "sft: 630 samples, 1119 assistant turns, 1119 images; tokens per sample: mean 389, max 426 (cutoff 4096)",
     "synthetic (200 questions x 2 samples; chance rate 0.250)",
     "model  accuracy [95% CI]     pass@2  valid  turns",
+    "tiny model: perception: 100%|██████████| 600/600 [00:30<00:00, 19.86step/s]",
 ]
 
 

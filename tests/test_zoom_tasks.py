@@ -47,6 +47,12 @@ def test_same_seed_same_bytes_other_seed_other_canvases(generated, tmp_path):
     assert tree_bytes(other)["images/train/000000.png"] != tree_bytes(generated)["images/train/000000.png"]
 
 
+def test_workers_do_not_change_the_output(generated, tmp_path):
+    parallel = tmp_path / "parallel"  # the data stage draws with one process per core
+    generate_zoom_tasks(parallel, ZoomTaskConfig(seed=5, **SMALL), workers=2)
+    assert tree_bytes(parallel) == tree_bytes(generated)
+
+
 def test_records_validate_and_point_at_their_images(generated):
     seen = set()
     for split in SPLITS:
