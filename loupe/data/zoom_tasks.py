@@ -58,11 +58,6 @@ CELL_NAMES = {
 image": the tiny model learns to read the word just before the phrase that follows a cell's name and misses
 one a word further back ("upper" in "upper left part", "left" in "left side"; docs/learning.md)."""
 
-CELL_PREPOSITIONS = {"left": "on", "right": "at"}
-"""The preposition before a one-word cell name (the others take "in"): in a row of three, each cell's phrase
-differs from the others' in two words, not one. With "on" for both sides, the tiny model told "middle" from
-the sides at every seed and left from right at some; with a preposition of their own, at more (docs/learning.md)."""
-
 ColourName = Literal["red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black", "white"]
 CanvasSide = Annotated[int, Field(ge=256, le=4096)]
 Fraction = Annotated[float, Field(gt=0, le=0.3)]
@@ -283,7 +278,7 @@ def draw_zoom_task(cfg: ZoomTaskConfig, split: str, index: int) -> tuple[TaskRec
     where = ""
     if cfg.location_hint:
         cell_name = CELL_NAMES[cfg.grid_shape][cells[0]]
-        where = f" {CELL_PREPOSITIONS.get(cell_name, 'in')} the {cell_name} of the image"
+        where = f" {'on' if cell_name in ('left', 'right') else 'in'} the {cell_name} of the image"
     ask = f"What colour is the small square inside the {frame_colours[0]} frame{where}?"
     if cfg.answer_format == "choice":
         n = min(cfg.option_count, len(cfg.colours))
