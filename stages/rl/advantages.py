@@ -9,6 +9,13 @@ trajectory still receives an advantage, and the loss mask decides which ones are
 - `rloo`: r - mean of the *other* members of the group (leave-one-out baseline, unbiased).
 - `reinforce_pp`: (r - batch mean) / (batch std + eps) (REINFORCE++ with outcome rewards: a global baseline
   and whitening instead of a per-group one).
+- `remax`: r - b, where b is the reward of one greedy rollout of the same prompt (ReMax, arXiv 2310.10505,
+  Algorithm 1; verl `verl/trainer/ppo/core_algos.py`, `compute_remax_outcome_advantage`, with the baseline from
+  `RayPPOTrainer.fit`'s greedy `gen_baseline_batch`). Not whitened, as there. A prompt whose greedy reward is
+  missing (an invalid judge score) falls back to its group's mean.
+
+`gae` computes PPO's per-token advantages and returns over one trajectory's generated tokens from a critic's
+values (GAE, arXiv 1506.02438, eq. 16).
 
 A group with fewer than two counted members (or, for reinforce_pp, a batch) has no baseline: its advantages
 are 0. Written with numpy, not torch, because these run on the driver over a few hundred floats.
@@ -21,7 +28,8 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
-ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "dr_grpo")
+ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "dr_grpo", "remax")
+"""Sequence-level advantage kinds (estimators.Recipe.advantage; `gae` is per token, below)."""
 
 
 def compute_advantages(
@@ -30,8 +38,9 @@ def compute_advantages(
     estimator: str = "grpo",
     in_stats: Sequence[bool] | None = None,
     eps: float = 1e-6,
+    baselines: Sequence[float | None] | None = None,
 ) -> np.ndarray:
-    """One advantage per sequence, in input order."""
+    """One advantage per sequence, in input order. `baselines` (remax): each sequence's greedy reward."""
     r = np.asarray(rewards, dtype=np.float64)
     if len(groups) != len(r):
         raise ValueError(f"{len(r)} rewards but {len(groups)} group ids")
@@ -49,6 +58,8 @@ def compute_advantages(
         return np.where(np.isfinite(out), out, 0.0)
     if estimator not in ESTIMATORS:
         raise ValueError(f"unknown estimator {estimator!r}; known: {', '.join(ESTIMATORS)}")
+    if estimator == "remax" and (baselines is None or len(baselines) != len(r)):
+        raise ValueError("remax needs one greedy baseline per sequence")
 
     all_members: dict[Hashable, list[int]] = defaultdict(list)
     for i, group in enumerate(groups):
@@ -64,6 +75,9 @@ def compute_advantages(
                 out[i] = (r[i] - mean) / (values.std(ddof=1) + eps)
             elif estimator == "dr_grpo":
                 out[i] = r[i] - mean
+            elif estimator == "remax":
+                baseline = baselines[i]  # type: ignore[index]
+                out[i] = r[i] - (baseline if baseline is not None and np.isfinite(baseline) else mean)
             else:  # rloo: the baseline of a counted member leaves that member out
                 baseline = (values.sum() - r[i]) / (len(stats) - 1) if counted[i] else mean
                 out[i] = r[i] - baseline
@@ -81,3 +95,30 @@ def groups_with_signal(
         if keep:
             values[group].append(float(reward))
     return {g for g, v in values.items() if len(v) >= 2 and max(v) - min(v) > tol}
+
+
+def gae(rewards: Sequence[float], values: Sequence[float], gamma: float = 1.0, lam: float = 0.95) -> tuple[np.ndarray, np.ndarray]:
+    """(advantages, returns) over one trajectory's T generated tokens, in order.
+
+    Token t is one step of the policy: `values[t]` is the critic's value of the state before it (the dialogue up
+    to t, observations included), `rewards[t]` what it earned (the outcome reward on the last token, and a
+    per-token KL penalty where there is one). Observation tokens are not steps: the step after a turn's last
+    token is the next turn's first generated token, whose state holds the observation. With
+    delta_t = r_t + gamma * V_{t+1} - V_t (V_T = 0, the trajectory has ended)::
+
+        A_t = delta_t + gamma * lam * A_{t+1},    returns_t = A_t + V_t
+
+    (GAE, arXiv 1506.02438, eq. 16; OpenRLHF `openrlhf/trainer/ppo_utils/experience_maker.py`,
+    `get_advantages_and_returns`, and verl `compute_gae_advantage_return` run the same recursion backwards.)
+    """
+    r = np.asarray(rewards, dtype=np.float64)
+    v = np.asarray(values, dtype=np.float64)
+    if r.shape != v.shape:
+        raise ValueError(f"gae: {len(r)} rewards but {len(v)} values")
+    advantages = np.zeros_like(r)
+    running = 0.0
+    for t in range(len(r) - 1, -1, -1):
+        following = v[t + 1] if t + 1 < len(r) else 0.0
+        running = r[t] + gamma * following - v[t] + gamma * lam * running
+        advantages[t] = running
+    return advantages, advantages + v

@@ -1,15 +1,34 @@
-"""The token-level policy loss: clipped surrogate with asymmetric clip, KL to a reference, entropy bonus.
+"""The policy loss: PPO's clipped surrogate, GSPO's sequence ratio or CISPO's clipped IS weights, plus a KL to a
+reference and an entropy bonus.
 
-For every trained token (flat tensors over a micro-batch's trained tokens)::
+For every trained token t of sequence i (flat tensors over a micro-batch's trained tokens; A is the token's
+advantage, the same for all tokens of a sequence except under GAE), `policy_loss` computes by `mode`:
 
-    ratio   = exp(logp - old_logp)
-    pg      = -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)
-    loss_t  = pg + kl_coef * KL_t - entropy_coef * H_t
+- `ppo` (PPO, arXiv 1707.06347, eq. 7; verl `verl/trainer/ppo/core_algos.py`, `compute_policy_loss_vanilla`)::
 
-and the micro-batch's loss is `sum_t loss_t / normaliser`. The normaliser is fixed for a whole mini-batch so
-that micro-batches accumulate to exactly the mini-batch's loss: its trained-token count for `token_mean`
-(Mini-o3, DAPO: every token weighs the same, whatever its sequence's length), or sequences x generation budget
-for `token_sum` (Dr. GRPO: a constant, so long answers are not down-weighted). `loss_normaliser` computes it.
+      r_t  = exp(logp_t - old_t)
+      pg_t = -min(r_t * A, clip(r_t, 1 - clip_low, 1 + clip_high) * A)
+
+- `gspo` (GSPO, arXiv 2507.18071, eqs. 5-7): the sequence ratio is the geometric mean of its token ratios,
+  s_i = exp(mean_t(logp_t - old_t)), clipped as a whole: every token of sequence i carries
+  pg_t = -min(s_i * A, clip(s_i, 1 - clip_low, 1 + clip_high) * A), and with `seq_mean_token_mean` aggregation
+  the sequence's tokens sum to one sequence term.
+- `gspo_token` (GSPO-token, eqs. 13-14; what verl's `compute_policy_loss_gspo` computes): the token ratio
+  s_i,t = sg[s_i] * exp(logp_t - sg[logp_t]) has the value s_i and the gradient s_i * grad logp_t; it is
+  clipped per token like PPO's.
+- `cispo` (MiniMax-M1, arXiv 2506.13585, eqs. 4-5; verl `compute_policy_loss_cispo`): the ratio, clipped
+  and stopped from the gradient, weights a REINFORCE term, so no token loses its gradient to a clip::
+
+      pg_t = -sg[clip(r_t, 1 - clip_low, 1 + clip_high)] * A * logp_t
+
+  (MiniMax-M1 sets no lower bound: cispo's default clip_low is 1.0, a bound of 0.)
+
+Then `loss_t = pg_t + kl_coef * KL_t - entropy_coef * H_t`, and the micro-batch's loss is
+`sum_t w_t * loss_t / normaliser`. The normaliser is fixed for a whole mini-batch so that micro-batches
+accumulate to exactly the mini-batch's loss (`loss_normaliser`): its trained-token count for `token_mean`
+(Mini-o3, DAPO: every token weighs the same, whatever its sequence's length; w_t = 1), sequences x generation
+budget for `token_sum` (Dr. GRPO: a constant, so long answers are not down-weighted; w_t = 1), or its sequence
+count for `seq_mean_token_mean` (GSPO; w_t = 1 / the length of t's sequence).
 
 Statistics come back as sums (clipped tokens, ratio, KL, entropy, ...) so callers can add them over
 micro-batches and ranks and divide once.
@@ -32,6 +51,10 @@ class LossConfig:
     """Weight of the KL term in the loss (0 when KL is off or applied to rewards instead)."""
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
+    mode: str = "ppo"
+    """ppo, gspo, gspo_token or cispo (module docstring)."""
+    aggregation: str = "token_mean"
+    """token_mean, token_sum or seq_mean_token_mean (`loss_normaliser`)."""
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
@@ -54,7 +77,15 @@ def loss_normaliser(aggregation: str, trained_tokens: int, sequences: int, gener
         return float(max(trained_tokens, 1))
     if aggregation == "token_sum":
         return float(max(sequences * generation_budget, 1))
-    raise ValueError(f"unknown loss aggregation {aggregation!r}; use token_mean or token_sum")
+    if aggregation == "seq_mean_token_mean":
+        return float(max(sequences, 1))
+    raise ValueError(f"unknown loss aggregation {aggregation!r}; use token_mean, token_sum or seq_mean_token_mean")
+
+
+def _per_sequence_mean(values: torch.Tensor, seq_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Each token's sequence mean of `values` (same shape as `values`)."""
+    sums = torch.zeros(len(lengths), dtype=values.dtype, device=values.device).index_add(0, seq_ids, values)
+    return (sums / lengths.to(values.dtype))[seq_ids]
 
 
 def policy_loss(
@@ -65,8 +96,12 @@ def policy_loss(
     cfg: LossConfig,
     ref_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    seq_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The micro-batch's loss (to call `.backward()` on) and summed statistics over its tokens.
+
+    `seq_ids` gives each token's sequence (0..S-1 within the micro-batch, tokens of a sequence contiguous); the
+    gspo modes and `seq_mean_token_mean` need it, the others ignore it.
 
     `entropy` enters the loss only when `cfg.entropy_coef` is set, and must then carry its graph; without an
     entropy term it may come detached (computed under no_grad for the statistics, `batching.token_logprobs`'s
@@ -75,11 +110,27 @@ def policy_loss(
     """
     if cfg.entropy_coef and logprobs.requires_grad and (entropy is None or not entropy.requires_grad):
         raise ValueError("entropy_coef > 0: the entropy bonus needs entropies with their graph (token_logprobs entropy='grad')")
+    needs_sequences = cfg.mode.startswith("gspo") or cfg.aggregation == "seq_mean_token_mean"
+    if needs_sequences and seq_ids is None:
+        raise ValueError(f"policy loss {cfg.mode!r} with {cfg.aggregation!r} aggregation needs each token's sequence (seq_ids)")
+    lengths = torch.bincount(seq_ids) if needs_sequences else None
     log_ratio = logprobs - old_logprobs
+    if cfg.mode == "gspo":
+        log_ratio = _per_sequence_mean(log_ratio, seq_ids, lengths)
+    elif cfg.mode == "gspo_token":
+        sequence = _per_sequence_mean(log_ratio.detach(), seq_ids, lengths)
+        log_ratio = logprobs - logprobs.detach() + sequence
+    elif cfg.mode not in ("ppo", "cispo"):
+        raise ValueError(f"unknown policy loss {cfg.mode!r}; use ppo, gspo, gspo_token or cispo")
     ratio = log_ratio.clamp(max=20.0).exp()  # a stale old log-prob must not overflow to inf
-    unclipped = ratio * advantages
-    clipped = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high) * advantages
-    pg = -torch.minimum(unclipped, clipped)
+    if cfg.mode == "cispo":
+        weight = ratio.detach().clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+        pg = -weight * advantages * logprobs
+        unclipped, clipped = ratio * advantages, weight * advantages  # for the statistics only
+    else:
+        unclipped = ratio * advantages
+        clipped = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high) * advantages
+        pg = -torch.minimum(unclipped, clipped)
     per_token = pg
     kl = None
     if ref_logprobs is not None:
@@ -88,10 +139,14 @@ def policy_loss(
             per_token = per_token + cfg.kl_coef * kl
     if entropy is not None and cfg.entropy_coef:
         per_token = per_token - cfg.entropy_coef * entropy
+    if cfg.aggregation == "seq_mean_token_mean":
+        per_token = per_token / lengths.to(per_token.dtype)[seq_ids]
     loss = per_token.sum() / normaliser
 
     with torch.no_grad():
-        was_clipped = clipped < unclipped  # the clip bound the objective: no gradient from this token
+        # The clip bound the objective: no gradient from this token (cispo: its weight was capped, but the token
+        # keeps its gradient).
+        was_clipped = (clipped < unclipped) if cfg.mode != "cispo" else (weight != ratio)
         stats = {
             "tokens": float(logprobs.numel()),
             "pg_loss_sum": float(pg.sum()),

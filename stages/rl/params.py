@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from typing import Literal
 
+from typing import Any
+
 from pydantic import Field, model_validator
 
 from loupe.config import Section
 from loupe.rewards import RewardConfig
+from stages.rl.estimators import ESTIMATOR_NAMES, recipe
 
 
 class KLParams(Section):
@@ -31,6 +34,47 @@ class DynamicSamplingParams(Section):
     max_tries: int = Field(3, ge=1)
     """Rollout rounds per step, the first included; after the last one the step trains on the groups it has
     (none: the update is skipped and the step is logged as such)."""
+
+
+class OverlongParams(Section):
+    """DAPO's overlong treatment (its paper, section 3.4): what happens to trajectories that run into the
+    per-turn token budget. In a multi-turn dialogue a trajectory is cut when one assistant turn exhausts
+    `rollout.max_new_tokens` (end reason `length`), so the length measured is that of its longest turn."""
+
+    filter: bool = False
+    """Overlong filtering: a trajectory cut by the token budget trains nothing (its loss mask is empty) and stays
+    out of its group's statistics, so a long but unfinished answer is not punished as a wrong one.
+    Default: on under `estimator: dapo`, off otherwise."""
+    soft_punishment: bool = False
+    """Soft overlong punishment: a trajectory whose longest turn passes `max_new_tokens - buffer_tokens` loses
+    up to `penalty_factor` of reward, linearly over the buffer (and the whole factor once cut).
+    Default: on under `estimator: dapo`, off otherwise."""
+    buffer_tokens: int | None = Field(None, ge=1)
+    """The punishment's buffer in tokens; None is a fifth of the per-turn budget (DAPO: 4096 of 20480)."""
+    penalty_factor: float = Field(1.0, ge=0)
+    """Reward lost at the end of the buffer (DAPO and verl's `overlong_penalty_factor`: 1.0)."""
+
+
+class CriticParams(Section):
+    """The value model of `estimator: ppo` (stages/rl/critic.py): the policy's architecture with a scalar head on
+    its last hidden state, trained on the same batches with its own AdamW and checkpointed beside the policy."""
+
+    path: str | None = None
+    """Hugging Face directory the critic's body starts from; None starts it from the policy (--model). The value
+    head always starts fresh."""
+    lr: float = Field(9e-6, gt=0)
+    """The critic's AdamW learning rate (OpenRLHF's `--critic_learning_rate` default, 9e-6)."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """GAE's discount per generated token (1.0: outcome rewards are not discounted, as in OpenRLHF and verl)."""
+    lam: float = Field(0.95, ge=0, le=1)
+    """GAE's lambda (OpenRLHF's and verl's default 0.95; 1.0 is Monte Carlo returns)."""
+    value_clip: float | None = Field(0.2, gt=0)
+    """Clipped value loss: a new value may move at most this far from the rollout's before the clipped term takes
+    over (OpenRLHF's `--value_clip` 0.2); None trains on the plain squared error."""
+    warmup_steps: int = Field(0, ge=0)
+    """First steps that train the critic only, so the policy's first advantages do not come from a fresh head."""
+    whiten_advantages: bool = True
+    """Whiten GAE advantages over the batch's trained tokens (mean 0, std 1), as OpenRLHF and verl do."""
 
 
 class RayParams(Section):
@@ -76,9 +120,13 @@ class RayParams(Section):
 class RLParams(Section):
     """How the rl stage trains the policy with GRPO-family reinforcement learning."""
 
-    estimator: Literal["grpo", "rloo", "reinforce_pp", "dr_grpo"] = "grpo"
-    """Advantage estimator: grpo (group mean and std), rloo (leave-one-out mean), reinforce_pp (REINFORCE++:
-    batch-whitened rewards), dr_grpo (group mean only, no std; pairs with token_sum aggregation)."""
+    estimator: Literal["grpo", "rloo", "reinforce_pp", "dr_grpo", "dapo", "gspo", "cispo", "remax", "ppo"] = "grpo"
+    """The RL algorithm (stages/rl/estimators.py): grpo (group mean and std), rloo (leave-one-out mean),
+    reinforce_pp (REINFORCE++: batch-whitened rewards), dr_grpo (group mean only; token_sum), dapo (grpo with
+    clip-higher and the overlong treatment), gspo (sequence-level ratio and clip), cispo (clipped stop-gradient
+    IS weights on a REINFORCE loss), remax (a greedy rollout's reward as baseline) or ppo (GAE over a critic).
+    It also sets the defaults of clip_low, clip_high, loss_aggregation, overlong and dynamic_sampling.enabled
+    (off for remax and ppo); keys you set win."""
     samples_per_prompt: int = Field(4, ge=2)
     """n: trajectories per prompt, one GRPO group (Mini-o3: 16)."""
     prompts_per_step: int = Field(4, ge=1)
@@ -93,14 +141,24 @@ class RLParams(Section):
     """Sampling temperature of training rollouts; None keeps rollout.temperature. The learner scales logits
     by the same temperature, so importance ratios compare like with like."""
 
-    clip_low: float = Field(0.2, ge=0, lt=1)
-    """Lower clip of the importance ratio: 1 - clip_low (Mini-o3: 0.2)."""
+    clip_low: float = Field(0.2, ge=0, le=1)
+    """Lower clip of the importance ratio: 1 - clip_low. Default: the estimator's (0.2; gspo 3e-4; cispo 1.0,
+    that is no lower bound, as MiniMax-M1 sets none)."""
     clip_high: float = Field(0.3, ge=0)
-    """Upper clip of the importance ratio: 1 + clip_high (Mini-o3 / DAPO clip-higher: 0.3)."""
-    loss_aggregation: Literal["auto", "token_mean", "token_sum"] = "auto"
+    """Upper clip of the importance ratio: 1 + clip_high. Default: the estimator's (0.3, Mini-o3's; dapo and
+    cispo 0.28; gspo 4e-4; ppo 0.2)."""
+    loss_aggregation: Literal["auto", "token_mean", "token_sum", "seq_mean_token_mean"] = "auto"
     """token_mean: mean over every trained token of the batch (Mini-o3, DAPO); token_sum: sum over tokens
-    divided by a constant (sequences x generation budget), Dr. GRPO's length-unbiased form; auto picks
-    token_sum for dr_grpo and token_mean otherwise."""
+    divided by a constant (sequences x generation budget), Dr. GRPO's length-unbiased form;
+    seq_mean_token_mean: each sequence's token mean, averaged over sequences (GSPO); auto: the estimator's."""
+    gspo_variant: Literal["sequence", "token"] = "sequence"
+    """gspo only: `sequence` clips each sequence's length-normalised ratio (GSPO); `token` is GSPO-token, whose
+    token ratio has the sequence ratio's value and its own token's gradient (equal to GSPO when every token of a
+    sequence has the same advantage, as here; verl's `compute_policy_loss_gspo` implements this form)."""
+    overlong: OverlongParams = OverlongParams()
+    """DAPO's overlong filtering and soft punishment."""
+    critic: CriticParams = CriticParams()
+    """The value model (estimator ppo only)."""
     kl: KLParams = KLParams()
     """KL regularisation to the starting policy."""
     entropy_coef: float = Field(0.0, ge=0)
@@ -194,8 +252,32 @@ class RLParams(Section):
     ray: RayParams = RayParams()
     """Actors and placement."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _estimator_defaults(cls, data: Any) -> Any:
+        """Fill the keys the user left out with the estimator's defaults (estimators.RECIPES)."""
+        if not isinstance(data, dict):
+            return data
+        name = data.get("estimator", "grpo")
+        if name not in ESTIMATOR_NAMES:
+            return data  # the Literal check names the field and the allowed values
+        found = recipe(name)
+        data = dict(data)
+        data.setdefault("clip_low", found.clip_low)
+        data.setdefault("clip_high", found.clip_high)
+        if not found.dynamic_sampling and isinstance(data.get("dynamic_sampling", {}), dict):
+            data["dynamic_sampling"] = {"enabled": False, **(data.get("dynamic_sampling") or {})}
+        if found.overlong and isinstance(data.get("overlong", {}), dict):
+            overlong = dict(data.get("overlong") or {})
+            overlong.setdefault("filter", True)
+            overlong.setdefault("soft_punishment", True)
+            data["overlong"] = overlong
+        return data
+
     @model_validator(mode="after")
     def _consistent(self) -> RLParams:
+        if self.estimator != "ppo" and "critic" in self.model_fields_set:
+            raise ValueError("critic: only estimator ppo trains a value model; remove the critic section or set estimator: ppo")
         if self.clip_high <= 0 and self.clip_low <= 0:
             raise ValueError("clip_low/clip_high: at least one clip range must be positive")
         if self.mini_batches > self.prompts_per_step * self.samples_per_prompt:
@@ -207,7 +289,12 @@ class RLParams(Section):
         """The loss aggregation after resolving `auto`."""
         if self.loss_aggregation != "auto":
             return self.loss_aggregation
-        return "token_sum" if self.estimator == "dr_grpo" else "token_mean"
+        return recipe(self.estimator).aggregation
+
+    @property
+    def recipe(self):  # -> estimators.Recipe
+        """The estimator's parts (advantage, policy loss, critic, greedy baseline)."""
+        return recipe(self.estimator)
 
     @property
     def learner_ranks(self) -> int:
