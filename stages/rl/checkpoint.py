@@ -4,6 +4,8 @@ A checkpoint is a folder `<out>/checkpoints/step_NNNNNN/` holding
 
     learner/             the policy and the optimiser (AdamW moments, step counts) as a
                          torch.distributed.checkpoint folder: each learner rank writes its own shard
+    critic/              estimator ppo: the value model and its own optimiser, the same way
+                         (stages/rl/critic.py; `Learner.save_checkpoint` writes both)
     rng.pt               python, numpy and torch (CPU and CUDA) generator states of the driver
     state.json           step, the prompt stream's position, and the tracking run's facts
 

@@ -371,8 +371,11 @@ def absolute_custom_reward(spec: str | None) -> str | None:
 
 
 def absolute_params(params: RLParams) -> RLParams:
-    """`params` with every path an actor reads made absolute: the custom reward's file and the judge's cache."""
+    """`params` with every path an actor reads made absolute: the custom reward's file, the judge's cache and
+    the critic's starting model."""
     updates: dict[str, Any] = {}
+    if params.critic.path:
+        updates["critic"] = params.critic.model_copy(update={"path": str(absolute_path(params.critic.path))})
     if params.custom_reward:
         updates["custom_reward"] = absolute_custom_reward(params.custom_reward)
     judge = params.reward.judge

@@ -39,12 +39,14 @@ from stages.rl.loss import LossConfig, loss_normaliser, policy_loss
 from stages.rl.params import RLParams
 
 
-def shard_model(model: Any, mesh: Any = None, mp_policy: Any = None) -> Any:
+def shard_model(model: Any, mesh: Any = None, mp_policy: Any = None, root: Any = None) -> Any:
     """Shard `model` in place with FSDP2: each decoder layer and vision block, then the root module.
 
     `mp_policy` (`precision.fsdp_mixed_precision`) goes to every `fully_shard`: a module's own policy decides
     the dtype its weights are gathered in and its gradients reduced in, so one left out would run in float32.
     On a GPU mesh `fully_shard` moves each rank's shard onto the GPU; the model may be loaded on the CPU.
+    `root`: the module whose forward is called, when it wraps `model` (the critic's ValueModel, which calls the
+    body's inner model directly, so the body's own root hook would never run); it becomes the root instead.
     """
     from torch.distributed.fsdp import fully_shard
 
@@ -56,13 +58,14 @@ def shard_model(model: Any, mesh: Any = None, mp_policy: Any = None) -> Any:
         fully_shard(layer, **options)
     for block in getattr(inner.visual, "blocks", []):
         fully_shard(block, **options)
-    fully_shard(model, **options)
+    fully_shard(root if root is not None else model, **options)
     return model
 
 
 SUMMED_STATS = (
     "tokens", "pg_loss_sum", "clipped_sum", "clipped_high_sum", "clipped_low_sum", "ratio_sum", "policy_kl_sum",
-    "kl_sum", "entropy_sum",
+    "kl_sum", "entropy_sum", "critic_tokens", "critic_loss_sum", "critic_clipped_sum", "critic_value_sum",
+    "critic_error_sum", "critic_return_sum", "critic_return_sq_sum",
 )
 """Per-token statistic sums of `loss.policy_loss` that sharded ranks add up (ratio_max is reduced by max)."""
 
@@ -75,6 +78,11 @@ def _single_process_checkpoint(distributed: bool) -> Iterator[None]:
         if not distributed:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         yield
+
+
+def critic_folder(learner_folder: Path) -> Path:
+    """Where a checkpoint keeps the critic: `critic/` beside the policy's `learner/` (stages/rl/checkpoint.py)."""
+    return Path(learner_folder).with_name("critic")
 
 
 class Learner:
@@ -136,13 +144,26 @@ class Learner:
             ref_dtype = self.precision.param_dtype if self.precision is not None else torch.float32
             self.reference = load_model(model_path, device=self.device, dtype=ref_dtype).eval()
             self.reference.requires_grad_(False)
+        mode = params.recipe.policy_loss
+        if mode == "gspo" and params.gspo_variant == "token":
+            mode = "gspo_token"
         self.loss_cfg = LossConfig(
             clip_low=params.clip_low,
             clip_high=params.clip_high,
             kl_coef=params.kl.coef if params.kl.form == "loss" else 0.0,
             kl_estimator=params.kl.estimator,
             entropy_coef=params.entropy_coef,
+            mode=mode,
+            aggregation=params.aggregation,
         )
+        self.critic = None
+        if params.recipe.critic:
+            from stages.rl.critic import Critic
+
+            self.critic = Critic(
+                model_path, params.critic, params.max_grad_norm, self.device, distributed, self.precision,
+                params.gradient_checkpointing, params.attn_implementation,
+            )
 
     # --- log-probs ------------------------------------------------------------------------------------------
 
@@ -181,13 +202,30 @@ class Learner:
         it = iter(flat)
         return [next(it) if s.num_trained else torch.zeros(0) for s in sequences]
 
+    @torch.no_grad()
+    def values(self, sequences: list[TrainSequence], filler: list[TrainSequence] | None = None) -> list[torch.Tensor]:
+        """Per sequence, the critic's value before each of its trained tokens, on CPU (estimator ppo)."""
+        if self.critic is None:
+            raise ValueError("no critic: only estimator ppo trains a value model")
+        trained = [s for s in sequences if s.num_trained]
+        flat: list[torch.Tensor] = []
+        for micro in self._micro_batches(trained):
+            found = self.critic.values(micro or filler or [], self.batching, self.pad_id, self.images)
+            if micro is not None:
+                flat += list(found.cpu().split([s.num_trained for s in micro]))
+        it = iter(flat)
+        return [next(it) if s.num_trained else torch.zeros(0) for s in sequences]
+
     # --- the update -----------------------------------------------------------------------------------------
 
-    def update(self, sequences: list[TrainSequence], filler: list[TrainSequence] | None = None) -> dict[str, float]:
+    def update(self, sequences: list[TrainSequence], filler: list[TrainSequence] | None = None,
+               train_policy: bool = True) -> dict[str, float]:
         """PPO epochs over `sequences` (this rank's share when sharded); returns averaged statistics.
 
         `filler` (sharded runs): a sequence whose forward and backward run with zero weight where this rank has
-        fewer micro-batches than another, so every rank joins the same collectives.
+        fewer micro-batches than another, so every rank joins the same collectives. With a critic, each
+        mini-batch also steps the critic on the same micro-batches; `train_policy` False (the critic's warm-up)
+        steps the critic alone.
         """
         started = time.perf_counter()
         self.model.train()  # a colocated engine generates with this module in eval mode between updates
@@ -195,6 +233,7 @@ class Learner:
         sequences = [s for s in sequences if s.num_trained]
         totals: dict[str, float] = {}
         grad_norms: list[float] = []
+        critic_norms: list[float] = []
         if not sequences and not self.distributed:
             return {"skipped_update": 1.0}
         minis = split_evenly(sequences, p.mini_batches)
@@ -210,11 +249,18 @@ class Learner:
                 normaliser = loss_normaliser(p.aggregation, tokens, count, self.generation_budget)
                 self.optimizer.zero_grad(set_to_none=True)
                 for micro in self._micro_batches(mini):
-                    if micro is None:
-                        self._backward(filler or [], normaliser, scale=0.0)
-                        continue
-                    for key, value in self._backward(micro, normaliser).items():
+                    stats: dict[str, float] = {}
+                    if train_policy:
+                        stats.update(self._backward(micro or filler or [], normaliser, scale=1.0 if micro else 0.0))
+                    if self.critic is not None:
+                        stats.update(self.critic.backward(micro or filler or [], float(max(tokens, 1)), self.batching,
+                                                          self.pad_id, self.images, self.world, 1.0 if micro else 0.0))
+                    for key, value in stats.items():
                         totals[key] = max(totals.get(key, 0.0), value) if key.endswith("_max") else totals.get(key, 0.0) + value
+                if self.critic is not None:
+                    critic_norms.append(self.critic.step())
+                if not train_policy:
+                    continue
                 norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), p.max_grad_norm)
                 norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
                 grad_norms.append(norm)
@@ -223,7 +269,14 @@ class Learner:
                 else:  # a non-finite gradient would poison the weights; skip the step and say so
                     totals["nonfinite_grad_steps"] = totals.get("nonfinite_grad_steps", 0.0) + 1
                 self.optimizer.zero_grad(set_to_none=True)
-        return self._summarise(totals, grad_norms, time.perf_counter() - started)
+        summary = self._summarise(totals, grad_norms, time.perf_counter() - started)
+        if self.critic is not None:
+            from stages.rl.critic import summarise_critic
+
+            summary.update(summarise_critic(totals, critic_norms))
+        if not train_policy:
+            summary["critic_warmup"] = 1.0
+        return summary
 
     def _backward(self, micro: list[TrainSequence], normaliser: float, scale: float = 1.0) -> dict[str, float]:
         # The entropy keeps its graph only when the loss has an entropy bonus; otherwise it is computed without
@@ -234,11 +287,12 @@ class Learner:
         )
         device = logprobs.device
         old = torch.cat([s.old_logprobs for s in micro]).to(device)
-        advantages = torch.cat([torch.full((s.num_trained,), float(s.advantage)) for s in micro]).to(device)
+        advantages = torch.cat([s.advantages() for s in micro]).to(device)
+        seq_ids = torch.cat([torch.full((s.num_trained,), i, dtype=torch.long) for i, s in enumerate(micro)]).to(device)
         ref = None
         if self.reference is not None and all(s.ref_logprobs is not None for s in micro):
             ref = torch.cat([s.ref_logprobs for s in micro]).to(device)  # type: ignore[misc]
-        loss, stats = policy_loss(logprobs, old, advantages, normaliser, self.loss_cfg, ref, entropy)
+        loss, stats = policy_loss(logprobs, old, advantages, normaliser, self.loss_cfg, ref, entropy, seq_ids)
         # Each rank's loss is divided by the global normaliser, so the batch's gradient is the ranks' sum; FSDP
         # averages over ranks (with whatever reduction the backend supports), hence the factor `world`.
         (loss * (scale * self.world)).backward()
@@ -307,6 +361,8 @@ class Learner:
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         with _single_process_checkpoint(self.distributed):
             dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(folder), no_dist=not self.distributed)
+            if self.critic is not None:
+                dcp.save(self.critic.state(), checkpoint_id=str(critic_folder(folder)), no_dist=not self.distributed)
 
     def load_checkpoint(self, folder: Path) -> None:
         """Load a `save_checkpoint` folder in place: each rank reads its own shard into its own tensors."""
@@ -320,6 +376,14 @@ class Learner:
         with _single_process_checkpoint(self.distributed):
             dcp.load(state, checkpoint_id=str(folder), no_dist=not self.distributed)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        if self.critic is not None:
+            if not (critic_folder(folder) / ".metadata").is_file():
+                raise FileNotFoundError(f"{critic_folder(folder)}: estimator ppo resumes its critic from here, but the "
+                                        "checkpoint has none (written by a run without a critic?)")
+            critic_state = self.critic.state()
+            with _single_process_checkpoint(self.distributed):
+                dcp.load(critic_state, checkpoint_id=str(critic_folder(folder)), no_dist=not self.distributed)
+            self.critic.set_state(critic_state)
 
     # --- weights to the rollout engines (loupe.rollout.weight_sync) ----------------------------------------
 

@@ -358,7 +358,7 @@ class LearnerRank:
     def setup(self, host: str, port: int, model_path: str, params: RLParams, temperature: float, budget: int) -> None:
         from stages.rl.learner import Learner
 
-        require_on_node({"model (--model)": model_path})
+        require_on_node({"model (--model)": model_path, **({"rl.critic.path": params.critic.path} if params.critic.path else {})})
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
         cuda = torch.cuda.is_available()
         torch.distributed.init_process_group("nccl" if cuda else "gloo", rank=self.rank, world_size=self.world)
@@ -440,21 +440,28 @@ class LearnerGroup:
         """A trained sequence every rank can run with zero weight to keep the collectives in step."""
         return next(([s] for s in sequences if s.num_trained), [])
 
-    def logprobs(self, sequences: list[Any], reference: bool = False) -> list[torch.Tensor]:
+    def _per_sequence(self, method: str, sequences: list[Any], *same: Any) -> list[torch.Tensor]:
+        """Each rank computes `method` over its share; the results come back in `sequences`' order."""
         sequences = self._by_reference(sequences)
         shares, filler = self._shares(sequences), self._filler(sequences)
-        results = self._all("logprobs", shares, [filler] * self.world, same=(reference,))
+        results = self._all(method, shares, [filler] * self.world, same=same)
         out: list[Any] = [None] * len(sequences)
         for r, found in enumerate(results):
             for i, value in zip(range(r, len(sequences), self.world), found):
                 out[i] = value
         return out
 
-    def update(self, sequences: list[Any]) -> dict[str, float]:
+    def logprobs(self, sequences: list[Any], reference: bool = False) -> list[torch.Tensor]:
+        return self._per_sequence("logprobs", sequences, reference)
+
+    def values(self, sequences: list[Any]) -> list[torch.Tensor]:
+        return self._per_sequence("values", sequences)
+
+    def update(self, sequences: list[Any], train_policy: bool = True) -> dict[str, float]:
         sequences = self._by_reference(sequences)
         shares, filler = self._shares(sequences), self._filler(sequences)
         try:
-            return self._all("update", shares, [filler] * self.world)[0]
+            return self._all("update", shares, [filler] * self.world, same=(train_policy,))[0]
         finally:
             self._image_refs.clear()  # the step is over: let the object store free its images
 
