@@ -150,3 +150,48 @@ def test_fsdp_ranks_on_gpus_under_the_bf16_policy_update_like_one(tiny_model_dir
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA devices")
     _compare_bf16_worlds(tiny_model_dir, tmp_path, world=torch.cuda.device_count(), gpus=1)
+
+
+def _with_ppo_targets(sequences):
+    """PPO's per-token fields on the toy batch: advantages, the rollout's values and GAE's returns, made up but
+    fixed, so one process and a group of ranks train on exactly the same targets."""
+    for k, s in enumerate(sequences):
+        n = s.num_trained
+        s.token_advantages = torch.linspace(-1.0, 1.0, n) * (1 + k % 2)
+        s.old_values = torch.full((n,), 0.1 * k)
+        s.returns = torch.linspace(0.0, 1.0, n)
+    return sequences
+
+
+@pytest.mark.slow  # Ray and two rank processes with a policy and a critic each: ~40 s on 2 cores
+def test_two_gloo_ranks_train_ppos_critic_like_one_process(tiny_model_dir, tmp_path):
+    """The critic is sharded like the policy: two FSDP2 ranks compute the same values, step the critic to the
+    same weights and write a checkpoint that one process reads back into the same critic."""
+    params = RLParams(estimator="ppo", lr=1e-2, micro_batch_size=1, ray={"enabled": True}, mixed_precision="off",
+                      critic={"lr": 1e-2})
+    sequences = _with_ppo_targets(_batch(tiny_model_dir, tmp_path))
+    single = Learner(tiny_model_dir, params, 1.0, generation_budget=5, device="cpu")
+    single_values = single.values(sequences)
+    single_stats = single.update(sequences)
+    expected = {k: v.detach().clone() for k, v in single.critic.model.state_dict().items()}
+
+    started = start_ray(params.ray)
+    try:
+        group = LearnerGroup(str(tiny_model_dir), params, 1.0, 5, world=2, gpus=0)
+        for a, b in zip(group.values(sequences), single_values):
+            assert torch.allclose(a, b, atol=1e-5)
+        stats = group.update(sequences)
+        assert stats["critic_loss"] == pytest.approx(single_stats["critic_loss"], rel=1e-4)
+        assert stats["critic_grad_norm"] == pytest.approx(single_stats["critic_grad_norm"], rel=1e-3)
+        assert stats["grad_norm"] == pytest.approx(single_stats["grad_norm"], rel=1e-3)
+        group.save_checkpoint(tmp_path / "checkpoint" / "learner")
+        group.close()
+    finally:
+        if started:
+            import ray
+
+            ray.shutdown()
+    restored = Learner(tiny_model_dir, params, 1.0, generation_budget=5, device="cpu")
+    restored.load_checkpoint(tmp_path / "checkpoint" / "learner")
+    for name, tensor in restored.critic.model.state_dict().items():
+        assert torch.allclose(tensor, expected[name], atol=1e-5), name

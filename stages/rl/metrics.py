@@ -46,6 +46,11 @@ def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float | None]:
         "rollout/over_turn_rate": reasons.get("over_turn", 0) / n,
         "rollout/trajectories": float(len(trajectories)),
     }
+    # Estimator-specific parts: DAPO's overlong punishment, remax's greedy baseline (absent otherwise).
+    for key in ("overlong_penalty", "greedy_baseline"):
+        found = [float(r[key]) for r in rewards if r.get(key) is not None]
+        if found:
+            out[f"reward/{key}"] = _mean(found)
     for reason in END_REASONS:
         out[f"end_reason/{reason}"] = reasons.get(reason, 0) / n
     return out

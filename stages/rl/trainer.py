@@ -7,8 +7,11 @@ Each step:
 3. dynamic sampling: keeps the groups whose counted rewards differ; while the batch is short it rolls out
    fresh prompts, at most `dynamic_sampling.max_tries` rounds;
 4. builds the learner's sequences: only model-generated tokens are trained, none of an over-turn trajectory
-   when masking is on, none of one whose reward is invalid (a judge outage is not a wrong answer);
-5. recomputes old log-probs (or takes the sampler's), reference log-probs when KL is on, advantages;
+   when masking is on, none of one cut by the token budget under DAPO's overlong filter, none of one whose
+   reward is invalid (a judge outage is not a wrong answer);
+5. recomputes old log-probs (or takes the sampler's), reference log-probs when KL is on, the critic's values
+   (ppo), and the estimator's advantages (stages/rl/estimators.py; remax rolls out one greedy trajectory a
+   prompt in step 2 for its baseline; DAPO's soft overlong punishment shapes rewards right after scoring);
 6. runs the PPO epochs and broadcasts the new weights to the rollout engines (loupe.rollout.weight_sync);
 7. logs a row of metrics (MLflow, metrics.jsonl), validates on the val split every `val_every` steps through
    the eval stage's metrics, writes an HTML page of sampled trajectories every `sample_trajectories_every`
@@ -40,15 +43,18 @@ from loupe.trajectory import Trajectory
 from loupe.viewer import render_html
 from stages.eval.metrics import summarize
 from stages.rl import checkpoint as ckpt
-from stages.rl.advantages import compute_advantages, groups_with_signal
+from stages.rl.advantages import compute_advantages, gae, groups_with_signal
 from stages.rl.batching import TrainSequence
 from stages.rl.cluster import absolute_params, absolute_path
 from stages.rl.loss import kl_estimate
 from stages.rl.metrics import MetricsLog, rollout_metrics, write_plots
 from stages.rl.params import RLParams
+from stages.rl.shaping import longest_turn, overlong_penalty, token_rewards
 
 VAL_SEED_TAG = 1_000_003
 """Mixed into the seed of validation rollouts so they never share a stream with training rollouts."""
+GREEDY_SEED_TAG = 1_000_033
+"""Mixed into the seed of remax's greedy baseline rollouts."""
 
 
 def derive_seed(*parts: int) -> int:
@@ -169,7 +175,10 @@ def _trainable(t: Trajectory, params: RLParams, markers: frozenset[int] = frozen
     """(trained?, counted in its group's statistics?) for a scored trajectory."""
     valid = bool(t.rewards.get("valid", True)) and t.rewards.get("total") is not None
     over = t.end_reason == "over_turn"
-    trained = valid and not (params.over_turn_masking and over) and not wrote_vision_marker(t, markers)
+    # DAPO's overlong filter masks the loss of a cut trajectory; its reward still counts in the group's statistics,
+    # as verl's DAPO trainer computes them over every sample.
+    cut = params.overlong.filter and t.end_reason == "length"
+    trained = valid and not (params.over_turn_masking and over) and not cut and not wrote_vision_marker(t, markers)
     counted = valid and (not over or not params.over_turn_masking or params.over_turn_in_group_stats)
     return trained, counted
 
@@ -290,7 +299,10 @@ class Trainer:
             started = time.perf_counter()
             for t, rewards in zip(trajectories, self.reward.score(trajectories)):
                 t.rewards = rewards
+            self._shape(trajectories)
             timing["reward"] += time.perf_counter() - started
+            if p.recipe.greedy_baseline:
+                self._greedy_baselines(tasks, trajectories, step, attempt, timing)
             timing["tries"] = attempt
             everything += trajectories
             n = p.samples_per_prompt
@@ -307,6 +319,62 @@ class Trainer:
             if len(kept) >= p.prompts_per_step:
                 break
         return kept, everything, timing
+
+    def _shape(self, trajectories: list[Trajectory]) -> None:
+        """DAPO's soft overlong punishment, added to each valid total (shaping.overlong_penalty)."""
+        overlong = self.params.overlong
+        if not overlong.soft_punishment:
+            return
+        budget = self.inputs.rollout.max_new_tokens
+        buffer = overlong.buffer_tokens or max(1, budget // 5)
+        for t in trajectories:
+            if t.rewards.get("total") is None:
+                continue
+            penalty = overlong_penalty(longest_turn(t), budget, buffer, overlong.penalty_factor)
+            t.rewards["overlong_penalty"] = penalty
+            t.rewards["total"] = float(t.rewards["total"]) + penalty
+
+    def _greedy_baselines(self, tasks: list[TaskRecord], trajectories: list[Trajectory], step: int, attempt: int,
+                          timing: dict[str, float]) -> None:
+        """ReMax: one greedy rollout a prompt through the same loop, scored and shaped like the samples; its total
+        becomes each sample's `greedy_baseline` (None when the greedy score is invalid)."""
+        i, p = self.inputs, self.params
+        seeds = [derive_seed(i.seed, step, attempt, GREEDY_SEED_TAG, w) for w in range(p.ray.num_workers)]
+        started = time.perf_counter()
+        greedy, stats = self.workers.rollout(tasks, 1, seeds, i.max_turns, i.rollout.max_new_tokens, 0.0)
+        timing["rollout"] += time.perf_counter() - started
+        timing["generated_tokens"] += stats.generated_tokens
+        started = time.perf_counter()
+        for t, rewards in zip(greedy, self.reward.score(greedy)):
+            t.rewards = rewards
+        self._shape(greedy)
+        timing["reward"] += time.perf_counter() - started
+        n = p.samples_per_prompt
+        for g, baseline in enumerate(greedy):
+            total = baseline.rewards.get("total") if baseline.rewards.get("valid", True) else None
+            for t in trajectories[g * n : (g + 1) * n]:
+                t.rewards["greedy_baseline"] = None if total is None else float(total)
+
+    def _ppo_advantages(self, sequences: list[TrainSequence], rewards: list[float]) -> None:
+        """GAE over each trained sequence's generated tokens from the critic's values (advantages.gae), whitened over
+        the batch's trained tokens; sets token_advantages, returns and old_values."""
+        p = self.params
+        trained = [(s, r) for s, r in zip(sequences, rewards) if s.num_trained]
+        values = self.learner.values([s for s, _ in trained])
+        found = []
+        for (s, reward), v in zip(trained, values):
+            kl = None
+            if p.kl.coef > 0 and p.kl.form == "reward" and s.ref_logprobs is not None:
+                kl = kl_estimate(s.old_logprobs, s.ref_logprobs, p.kl.estimator).numpy()
+            advantages, returns = gae(token_rewards(reward, kl, p.kl.coef, s.num_trained), v.numpy(), p.critic.gamma, p.critic.lam)
+            s.old_values, s.returns = v.float(), torch.tensor(returns, dtype=torch.float32)
+            found.append(advantages)
+        flat = np.concatenate(found) if found else np.zeros(0)
+        if p.critic.whiten_advantages and flat.size > 1:
+            mean, std = flat.mean(), flat.std()
+            found = [(a - mean) / (std + 1e-8) for a in found]
+        for (s, _), advantages in zip(trained, found):
+            s.token_advantages = torch.tensor(advantages, dtype=torch.float32)
 
     def train_step(self, step: int) -> dict[str, Any]:
         started = time.perf_counter()
@@ -330,19 +398,28 @@ class Trainer:
                 for s, ref in zip(trained, self.learner.logprobs(trained, reference=True)):
                     s.ref_logprobs = ref
             rewards = [float(t.rewards.get("total") or 0.0) for t in batch]
-            if p.kl.coef > 0 and p.kl.form == "reward":
-                for k, s in enumerate(sequences):
-                    if s.num_trained and s.ref_logprobs is not None:
-                        rewards[k] -= p.kl.coef * float(kl_estimate(s.old_logprobs, s.ref_logprobs, p.kl.estimator).sum())
-            advantages = compute_advantages(rewards, labels, p.estimator, [c for _, c in flags])
-            for s, a in zip(sequences, advantages):
-                s.advantage = float(a)
-            update = self.learner.update(trained)
-            sync_started = time.perf_counter()
-            self.workers.wake_up(["weights"])
-            timing["sync_bytes"] = self.workers.sync_weights(self.learner, self.manifest)
-            self.workers.wake_up(["kv_cache"])
-            timing["sync"] = time.perf_counter() - sync_started
+            kind = p.recipe.advantage
+            if kind == "gae":
+                self._ppo_advantages(sequences, rewards)  # its KL, if any, is a per-token reward
+            else:
+                if p.kl.coef > 0 and p.kl.form == "reward":
+                    for k, s in enumerate(sequences):
+                        if s.num_trained and s.ref_logprobs is not None:
+                            rewards[k] -= p.kl.coef * float(kl_estimate(s.old_logprobs, s.ref_logprobs, p.kl.estimator).sum())
+                baselines = [t.rewards.get("greedy_baseline") for t in batch] if kind == "remax" else None
+                advantages = compute_advantages(rewards, labels, kind, [c for _, c in flags], baselines=baselines)
+                for s, a in zip(sequences, advantages):
+                    s.advantage = float(a)
+            train_policy = not (p.recipe.critic and step <= p.critic.warmup_steps)
+            update = self.learner.update(trained, train_policy=train_policy)
+            if train_policy:
+                sync_started = time.perf_counter()
+                self.workers.wake_up(["weights"])
+                timing["sync_bytes"] = self.workers.sync_weights(self.learner, self.manifest)
+                self.workers.wake_up(["kv_cache"])
+                timing["sync"] = time.perf_counter() - sync_started
+            else:  # the critic's warm-up: the policy did not change, so there is nothing to send
+                self.workers.wake_up(None)
         else:
             update = {"skipped_update": 1.0}
             self.workers.wake_up(None)
@@ -360,6 +437,7 @@ class Trainer:
                 "batch/trained_sequences": len(trained),
                 "batch/trained_tokens": sum(s.num_trained for s in trained),
                 "batch/over_turn_masked": sum(1 for t, (tr, _) in zip(batch, flags) if not tr and t.end_reason == "over_turn"),
+                "batch/overlong_masked": sum(1 for t, (tr, _) in zip(batch, flags) if not tr and t.end_reason == "length"),
                 "batch/vision_marker_masked": sum(1 for t in batch if wrote_vision_marker(t, self.inputs.vision_markers)),
                 "time/rollout": timing["rollout"],
                 "time/reward": timing["reward"],
