@@ -123,3 +123,29 @@ def test_observation_turn_appends_tokens_and_pixels(tiny, scene_dir):
     assert text.startswith("<|im_end|>\n<|im_start|>user\nObservation 1: <|vision_start|>")
     assert text.endswith("<|im_end|>\n<|im_start|>assistant\n")
     assert len(state.pixel_values) == 2 and sum(state.trace.generated) == 0
+
+
+def test_greedy_turns_are_the_round_synchronous_loops(tiny, scene_dir):
+    """The per-trajectory loop refills batches of three from trajectories at different turns; the round-by-round
+    loop it replaced (kept in benchmarks/rollout_throughput.py as the baseline) batches by rounds. The
+    benchmark's scripted engine generates every turn for real but scripts what it says (zoom k times, then
+    answer), so the untrained model searches for several turns. Greedy, both loops give every trajectory the
+    same tokens, turns and end."""
+    from benchmarks.rollout_throughput import ScriptedTurns, round_synchronous_rollouts
+
+    model, processor = tiny
+    protocol = ProtocolParams(min_pixels=3136, max_pixels=50176, max_turns=6, max_images=8)
+
+    def scripted():
+        return ScriptedTurns(model, processor, get_protocol("mini_o3").stop, temperature=0.0, batch_size=3,
+                             max_turns=6, seed=1)
+
+    per_trajectory = run_rollouts(tasks(4), scripted(), protocol, scene_dir, samples_per_task=2, max_new_tokens=8)
+    by_rounds = round_synchronous_rollouts(tasks(4), scripted(), protocol, scene_dir, samples_per_task=2,
+                                           max_new_tokens=8)
+    turns = [t.num_turns for t in per_trajectory]
+    assert turns == [t.num_turns for t in by_rounds] and len(set(turns)) > 1 and max(turns) >= 3
+    for mine, theirs in zip(per_trajectory, by_rounds):
+        assert mine.trace.input_ids == theirs.trace.input_ids and mine.trace.generated == theirs.trace.generated
+        assert [turn.text for turn in mine.turns] == [turn.text for turn in theirs.turns]
+        assert mine.end_reason == theirs.end_reason == "answered"

@@ -20,22 +20,28 @@ class ScriptedEngine(Engine):
 
     name = "scripted"
 
-    def __init__(self, scripts: list[list[str]], finish: str | None = None):
+    def __init__(self, scripts: list[list[str]], finish: str | None = None, batch_size: int = 64):
         self.scripts = scripts
         self.started = 0
         self.calls = 0
+        self.batches: list[list[tuple[int, int]]] = []
+        """Each generate call's (dialogue number, turn number) pairs."""
         self.finish = finish
+        self.batch_size = batch_size
 
     def begin(self, system, question, images):
-        state = {"script": list(self.scripts[self.started % len(self.scripts)]), "tokens": 100, "user_turns": []}
+        state = {"script": list(self.scripts[self.started % len(self.scripts)]), "tokens": 100, "user_turns": [],
+                 "number": self.started, "turn": 0}
         state["question_images"] = [img.size for img in images]
         self.started += 1
         return state
 
     def generate(self, states, max_new_tokens):
         self.calls += 1
+        self.batches.append([(state["number"], state["turn"]) for state in states])
         out = []
         for state in states:
+            state["turn"] += 1
             text = state["script"].pop(0) if state["script"] else "nothing useful"
             state["tokens"] += 10
             finish = self.finish or ("stop" if text.endswith("</grounding>") else "eos")
@@ -163,8 +169,18 @@ def test_samples_and_order_and_batching(task_dir):
     tasks = [make_task("a"), make_task("b")]
     trajectories = run_rollouts(tasks, engine, params(), task_dir, samples_per_task=2)
     assert [t.traj_id for t in trajectories] == ["a#0", "a#1", "b#0", "b#1"]
-    assert engine.calls == 2  # every live dialogue goes through one generate call per round
+    assert engine.calls == 2  # all four first turns in one batch, then the two second turns
     assert [t.num_turns for t in trajectories] == [1, 2, 1, 2]
+
+
+def test_a_batch_is_refilled_with_whichever_trajectories_wait_whatever_their_turn(task_dir):
+    """Batches of two, first in first out: the trajectory back from its crop shares the next batch with one
+    still at its first turn, instead of the round waiting for every first turn to finish."""
+    engine = ScriptedEngine([[call([0.1, 0.1, 0.6, 0.6]), call([0.2, 0.2, 0.7, 0.7]), ANSWER_B], [ANSWER_B],
+                             [ANSWER_B]], batch_size=2)
+    trajectories = run_rollouts([make_task("a"), make_task("b"), make_task("c")], engine, params(), task_dir)
+    assert engine.batches == [[(0, 0), (1, 0)], [(2, 0), (0, 1)], [(0, 2)]]
+    assert [t.num_turns for t in trajectories] == [3, 1, 1] and all(t.end_reason == "answered" for t in trajectories)
 
 
 def test_single_turn_protocol_allows_one_turn(task_dir):

@@ -60,12 +60,27 @@ class TokenTrace:
         return len(self.input_ids)
 
 
+@dataclass
+class TurnQueue:
+    """A batch engine's submitted turns, oldest first: (ticket, state, max_new_tokens)."""
+
+    turns: list[tuple[int, Any, int]] = field(default_factory=list)
+    next_ticket: int = 0
+
+
 class Engine(ABC):
-    """A generator the rollout loop drives. States are opaque to the loop."""
+    """A generator the rollout loop drives. States are opaque to the loop.
+
+    The loop hands over one turn at a time (`submit`) and collects finished turns (`poll`). The default is a
+    batch engine's: turns queue first in, first out, and each `poll` generates the first `batch_size` of them
+    together through `generate`, so batches are refilled from whatever trajectories wait, whatever their turn,
+    and the same submissions always make the same batches. Engines that serve requests concurrently (an HTTP
+    endpoint) override `submit`, `poll` and `cancel`.
+    """
 
     name: str = "engine"
     batch_size: int = 1
-    """Dialogues generated together (the loop hands over all live ones; the engine chunks them)."""
+    """Turns generated together: the most a `poll` of a batch engine takes from its queue."""
 
     @abstractmethod
     def begin(self, system: str, question: str, images: list[Image.Image]) -> Any:
@@ -86,6 +101,38 @@ class Engine(ABC):
     def trace(self, state: Any) -> TokenTrace | None:
         """The state's token-level record, where the engine has one."""
         return None
+
+    def submit(self, state: Any, max_new_tokens: int) -> int:
+        """Queue the state's next assistant turn; returns the ticket `poll` reports it under."""
+        queue = self._queue()
+        queue.next_ticket += 1
+        queue.turns.append((queue.next_ticket, state, max_new_tokens))
+        return queue.next_ticket
+
+    def poll(self) -> list[tuple[int, Generation]]:
+        """Generate at least one queued turn and return the finished ones as (ticket, generation).
+
+        A batch engine takes the oldest `batch_size` queued turns that share the first one's token budget.
+        """
+        turns = self._queue().turns
+        if not turns:
+            raise RuntimeError(f"{self.name} engine: poll with no turn submitted")
+        budget = turns[0][2]
+        taken = [turn for turn in turns if turn[2] == budget][: max(1, self.batch_size)]
+        for turn in taken:
+            turns.remove(turn)
+        generations = self.generate([state for _, state, _ in taken], budget)
+        return [(ticket, generation) for (ticket, _, _), generation in zip(taken, generations)]
+
+    def cancel(self) -> None:
+        """Drop every submitted turn not yet returned (the loop stops on an error)."""
+        self._queue().turns.clear()
+
+    def _queue(self) -> TurnQueue:
+        queue = getattr(self, "_turn_queue", None)
+        if queue is None:
+            queue = self._turn_queue = TurnQueue()
+        return queue
 
     def close(self) -> None:
         """Release what the engine holds (GPU memory, threads)."""

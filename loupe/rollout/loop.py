@@ -1,7 +1,7 @@
 """The one multi-turn rollout loop: synth's teachers, rl's sampler and eval all run trajectories through it.
 
-Each round, every live trajectory generates its next assistant turn in one engine call (the engine batches
-them). The turn is parsed by the protocol: an answer ends the trajectory; a tool call runs the tool and the
+Every trajectory advances on its own: its next assistant turn is handed to the engine, and when it comes back
+it is parsed by the protocol: an answer ends the trajectory; a tool call runs the tool and the
 crop comes back as a user turn; a malformed call or a refused box comes back as an error message, until the
 retries run out. Limits end a trajectory as `over_turn`: the turn limit with a call still pending, the image
 limit, or a context that could not fit another turn.
@@ -50,6 +50,91 @@ class RolloutStats:
     seconds: float = 0.0
 
 
+class Rollout:
+    """One run of the loop's bookkeeping: the trajectories started, the ones still live, the ones ended.
+
+    `run_rollouts` drives it trajectory by trajectory; `benchmarks/rollout_throughput.py` drives the same object
+    round by round (its baseline), so the two differ only in when a turn is asked for.
+    """
+
+    def __init__(self, tasks: list[TaskRecord], engine: Engine, protocol_params: ProtocolParams, image_root: str | Path,
+                 samples_per_task: int, max_turns: int | None, max_new_tokens: int, progress: bool | str,
+                 stats: RolloutStats | None, on_finish: Callable[[Trajectory], None] | None):
+        self.tasks, self.engine, self.protocol_params = tasks, engine, protocol_params
+        self.protocol: Protocol = get_protocol(protocol_params.name)
+        self.turn_limit = max_turns if max_turns is not None else protocol_params.max_turns
+        if not self.protocol.multi_turn:
+            self.turn_limit = 1
+        self.max_new_tokens = max_new_tokens
+        self.stats = stats if stats is not None else RolloutStats()
+        self.on_finish = on_finish
+        self.started = time.perf_counter()
+        self.bar = tqdm(total=len(tasks) * samples_per_task, desc=progress if isinstance(progress, str) else "rollout",
+                        unit="traj", disable=not progress)
+        self.finished: list[Trajectory] = []
+        self.live = self._begin(Path(image_root), samples_per_task)
+        """Trajectories that wait for their first turn, in task and sample order."""
+
+    def _begin(self, image_root: Path, samples_per_task: int) -> list[_Live]:
+        live = []
+        protocol, protocol_params, engine = self.protocol, self.protocol_params, self.engine
+        for task in self.tasks:
+            # Decoded once per task: its samples share the original and the downscaled copy the model sees.
+            originals = [open_image(p, image_root, protocol_params.max_decode_pixels) for p in task.images]
+            shown = [fit_to_budget(img, protocol_params) for img in originals]
+            for k in range(samples_per_task):
+                trajectory = Trajectory(
+                    traj_id=f"{task.doc_id}#{k}",
+                    task=task.model_dump(exclude_none=True),
+                    protocol=protocol.name,
+                    system=protocol.system_prompt(),
+                    sample_index=k,
+                    meta={"engine": engine.name},
+                )
+                question = protocol.question_text(task)
+                # Absolute but not resolved: a hub-cache file is a symlink to a blob with no image suffix.
+                indices = [trajectory.add_image(Path(os.path.abspath(image_root / p))) for p in task.images]
+                trajectory.turns.append(Turn("user", question, images=indices))
+                state = engine.begin(trajectory.system, question, shown)
+                trajectory.prompt_tokens = engine.context_length(state)
+                trajectory.turns[0].num_tokens = trajectory.prompt_tokens
+                item = _Live(trajectory, ImageSession(original=originals[0]), state, protocol_params.format_error_retries)
+                if trajectory.prompt_tokens + self.max_new_tokens > protocol_params.max_context_tokens:
+                    self._finish(item, "over_turn")
+                else:
+                    live.append(item)
+        return live
+
+    def take(self, item: _Live, generation: Any) -> bool:
+        """Act on a trajectory's new turn (parse, crop, next user turn); True while it goes on."""
+        self.stats.turns += 1
+        self.stats.generated_tokens += generation.num_tokens
+        reason = _take_turn(item, generation, self.protocol, self.protocol_params, self.engine, self.turn_limit,
+                            self.max_new_tokens)
+        if reason is not None:
+            self._finish(item, reason)
+        elapsed = time.perf_counter() - self.started
+        self.bar.set_postfix(turns=self.stats.turns, tok_s=f"{self.stats.generated_tokens / max(elapsed, 1e-9):.0f}",
+                             refresh=False)
+        return reason is None
+
+    def _finish(self, item: _Live, reason: str) -> None:
+        item.trajectory.end_reason = reason
+        item.trajectory.trace = self.engine.trace(item.state)
+        self.finished.append(item.trajectory)
+        self.bar.update(1)
+        if self.on_finish is not None:
+            self.on_finish(item.trajectory)
+
+    def close(self) -> list[Trajectory]:
+        """The ended trajectories in task and sample order."""
+        self.bar.close()
+        self.stats.trajectories += len(self.finished)
+        self.stats.seconds += time.perf_counter() - self.started
+        position = {task.doc_id: i for i, task in enumerate(self.tasks)}
+        return sorted(self.finished, key=lambda t: (position[t.task["doc_id"]], t.sample_index))
+
+
 def run_rollouts(
     tasks: list[TaskRecord],
     engine: Engine,
@@ -64,77 +149,27 @@ def run_rollouts(
 ) -> list[Trajectory]:
     """Run `samples_per_task` trajectories for every task to their end; returns them in task order.
 
-    `max_turns` overrides the protocol's turn limit (eval's turn-scaling runs use up to 32).
-    `on_finish` is called with each trajectory as it ends (for incremental saving).
+    Each trajectory advances as soon as its own turn comes back: the engine is handed every live trajectory's
+    next turn (`Engine.submit`) and reports turns as they finish (`Engine.poll`); a finished turn is parsed,
+    its crop taken and its next turn submitted while the others are still generating. A batch engine
+    generates its queue first in, first out, `batch_size` turns at a time, so a trajectory at its fifth turn
+    shares a batch with one at its first (continuous batching at turn granularity); an endpoint engine keeps
+    its requests in flight. `max_turns` overrides the protocol's turn limit (eval's turn-scaling runs use up
+    to 32). `on_finish` is called with each trajectory as it ends (for incremental saving).
     """
-    protocol: Protocol = get_protocol(protocol_params.name)
-    turn_limit = max_turns if max_turns is not None else protocol_params.max_turns
-    if not protocol.multi_turn:
-        turn_limit = 1
-    image_root = Path(image_root)
-    started = time.perf_counter()
-    stats = stats if stats is not None else RolloutStats()
-    total = len(tasks) * samples_per_task
-    bar = tqdm(total=total, desc=progress if isinstance(progress, str) else "rollout", unit="traj", disable=not progress)
-
-    live: list[_Live] = []
-    finished: list[Trajectory] = []
-
-    def finish(item: _Live, reason: str) -> None:
-        item.trajectory.end_reason = reason
-        item.trajectory.trace = engine.trace(item.state)
-        finished.append(item.trajectory)
-        bar.update(1)
-        if on_finish is not None:
-            on_finish(item.trajectory)
-
-    for task in tasks:
-        # Decoded once per task: its samples share the original and the downscaled copy the model sees.
-        originals = [open_image(p, image_root, protocol_params.max_decode_pixels) for p in task.images]
-        shown = [fit_to_budget(img, protocol_params) for img in originals]
-        for k in range(samples_per_task):
-            trajectory = Trajectory(
-                traj_id=f"{task.doc_id}#{k}",
-                task=task.model_dump(exclude_none=True),
-                protocol=protocol.name,
-                system=protocol.system_prompt(),
-                sample_index=k,
-                meta={"engine": engine.name},
-            )
-            question = protocol.question_text(task)
-            # Absolute but not resolved: a hub-cache file is a symlink to a blob with no image suffix.
-            indices = [trajectory.add_image(Path(os.path.abspath(image_root / p))) for p in task.images]
-            trajectory.turns.append(Turn("user", question, images=indices))
-            state = engine.begin(trajectory.system, question, shown)
-            trajectory.prompt_tokens = engine.context_length(state)
-            trajectory.turns[0].num_tokens = trajectory.prompt_tokens
-            item = _Live(trajectory, ImageSession(original=originals[0]), state, protocol_params.format_error_retries)
-            if trajectory.prompt_tokens + max_new_tokens > protocol_params.max_context_tokens:
-                finish(item, "over_turn")
-            else:
-                live.append(item)
-
-    while live:
-        generations = engine.generate([item.state for item in live], max_new_tokens)
-        still_live: list[_Live] = []
-        for item, generation in zip(live, generations):
-            stats.turns += 1
-            stats.generated_tokens += generation.num_tokens
-            reason = _take_turn(item, generation, protocol, protocol_params, engine, turn_limit, max_new_tokens)
-            if reason is None:
-                still_live.append(item)
-            else:
-                finish(item, reason)
-        live = still_live
-        elapsed = time.perf_counter() - started
-        bar.set_postfix(turns=stats.turns, tok_s=f"{stats.generated_tokens / max(elapsed, 1e-9):.0f}")
-    bar.close()
-
-    stats.trajectories += len(finished)
-    stats.seconds += time.perf_counter() - started
-    position = {task.doc_id: i for i, task in enumerate(tasks)}
-    finished.sort(key=lambda t: (position[t.task["doc_id"]], t.sample_index))
-    return finished
+    run = Rollout(tasks, engine, protocol_params, image_root, samples_per_task, max_turns, max_new_tokens, progress,
+                  stats, on_finish)
+    waiting = {engine.submit(item.state, max_new_tokens): item for item in run.live}
+    try:
+        while waiting:
+            for ticket, generation in engine.poll():
+                item = waiting.pop(ticket)
+                if run.take(item, generation):
+                    waiting[engine.submit(item.state, max_new_tokens)] = item
+    except BaseException:
+        engine.cancel()
+        raise
+    return run.close()
 
 
 def _take_turn(

@@ -1,7 +1,8 @@
 """The `openai` engine: the rollout loop on any OpenAI-compatible chat endpoint (a vLLM server, a hosted VLM).
 
-Dialogues are kept as chat messages with images as PNG data URLs; each round sends every live dialogue's
-request through a thread pool of `concurrency` workers. Each request goes through `loupe.endpoint`'s one retry
+Dialogues are kept as chat messages with images as PNG data URLs; a dialogue's next request is sent as soon
+as its last turn has been handled (the rollout loop's `submit`), through a thread pool of `concurrency`
+workers, so no trajectory waits for another's reply. Each request goes through `loupe.endpoint`'s one retry
 loop: 408/409/429/5xx, time-outs, dropped connections and malformed HTTP 200 replies (not JSON, no choices,
 wrong types, empty or null content, an unknown finish reason...) are retried with exponential backoff and
 Retry-After; once the attempts run out the request fails with an `EndpointError` naming the endpoint, the
@@ -31,8 +32,8 @@ import io
 import json
 import logging
 import threading
-from collections import Counter
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from collections import Counter, deque
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -148,6 +149,9 @@ class OpenAIEngine(Engine):
         self.retry = RetryPolicy(endpoint.max_retries, endpoint.backoff_s, endpoint.max_backoff_s)
         self.client = make_client(endpoint.base_url, api_key, endpoint.timeout_s)
         self._pool = ThreadPoolExecutor(max_workers=endpoint.concurrency, thread_name_prefix="loupe-openai")
+        self._waiting: deque[tuple[int, _ChatState, tuple[str, dict[str, Any]]]] = deque()
+        self._in_flight: dict[Future, int] = {}
+        self._ticket = 0
 
     def begin(self, system: str, question: str, images: list[Image.Image]) -> _ChatState:
         state = _ChatState(
@@ -164,19 +168,47 @@ class OpenAIEngine(Engine):
         return state.tokens
 
     def generate(self, states: list[_ChatState], max_new_tokens: int) -> list[Generation]:
-        # Requests are numbered here, in the loop's order, so occurrence numbers (cache keys) repeat run to run.
-        requests = [self._request(s, max_new_tokens) for s in states]
-        futures = [self._pool.submit(self._complete, s, r) for s, r in zip(states, requests)]
-        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-        failed = next((f for f in futures if f in done and f.exception() is not None), None)
+        tickets = [self.submit(state, max_new_tokens) for state in states]
+        finished: dict[int, Generation] = {}
+        while len(finished) < len(tickets):
+            finished.update(self.poll())
+        return [finished[ticket] for ticket in tickets]
+
+    def submit(self, state: _ChatState, max_new_tokens: int) -> int:
+        # Requests are numbered here, in submission order, so a task's K identical first requests get the
+        # occurrence numbers (cache keys) 0..K-1 run after run.
+        self._ticket += 1
+        self._waiting.append((self._ticket, state, self._request(state, max_new_tokens)))
+        self._send_waiting()
+        return self._ticket
+
+    def _send_waiting(self) -> None:
+        """Hand waiting requests to the pool while fewer than `concurrency` are in flight: whatever the pool
+        holds is being sent, so a failure cancels nothing that is half-way."""
+        while self._waiting and len(self._in_flight) < self.endpoint.concurrency:
+            ticket, state, request = self._waiting.popleft()
+            self._in_flight[self._pool.submit(self._complete, state, request)] = ticket
+
+    def poll(self) -> list[tuple[int, Generation]]:
+        """The requests that have come back since the last poll (at least one), in submission order."""
+        if not self._in_flight:
+            raise RuntimeError("openai engine: poll with no request in flight")
+        done, _ = wait(list(self._in_flight), return_when=FIRST_COMPLETED)
+        failed = next((f for f in done if f.exception() is not None), None)
         if failed is not None:
-            # Requests still queued are not sent, but those in flight finish and reach the cache first:
-            # a reply the endpoint was paid for must not be asked for again by the resumed run.
-            for future in futures:
-                future.cancel()
-            wait(futures)
-            raise failed.exception()
-        return [future.result() for future in futures]
+            error = failed.exception()
+            self.cancel()
+            raise error
+        finished = sorted((self._in_flight.pop(future), future.result()) for future in done)
+        self._send_waiting()
+        return finished
+
+    def cancel(self) -> None:
+        # Requests not yet sent are dropped, but those in flight finish and reach the cache first: a reply the
+        # endpoint was paid for must not be asked for again by the resumed run.
+        self._waiting.clear()
+        wait(list(self._in_flight))
+        self._in_flight.clear()
 
     def _request(self, state: _ChatState, max_new_tokens: int) -> tuple[str, dict[str, Any]]:
         """The request body for a state's next turn and its key: a digest of endpoint and body, then `-n`."""
