@@ -5,10 +5,8 @@ Marked `gpu`: deselected by default; run with `pytest -m gpu` on a machine with 
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
-from PIL import Image
 
 from loupe.config import ProtocolParams
 from loupe.data.tasks import TaskRecord
