@@ -292,15 +292,7 @@ class Trainer:
         for attempt in range(1, tries + 1):
             tasks = [i.train[k] for k in self.stream.take(p.prompts_per_step)]
             seeds = [derive_seed(i.seed, step, attempt, w) for w in range(p.ray.num_workers)]
-            started = time.perf_counter()
-            trajectories, stats = self.workers.rollout(tasks, p.samples_per_prompt, seeds, i.max_turns, i.rollout.max_new_tokens)
-            timing["rollout"] += time.perf_counter() - started
-            timing["generated_tokens"] += stats.generated_tokens
-            started = time.perf_counter()
-            for t, rewards in zip(trajectories, self.reward.score(trajectories)):
-                t.rewards = rewards
-            self._shape(trajectories)
-            timing["reward"] += time.perf_counter() - started
+            trajectories = self._rollout_scored(tasks, p.samples_per_prompt, seeds, timing)
             if p.recipe.greedy_baseline:
                 self._greedy_baselines(tasks, trajectories, step, attempt, timing)
             timing["tries"] = attempt
@@ -319,6 +311,22 @@ class Trainer:
             if len(kept) >= p.prompts_per_step:
                 break
         return kept, everything, timing
+
+    def _rollout_scored(self, tasks: list[TaskRecord], samples: int, seeds: list[int], timing: dict[str, float],
+                        temperature: float | None = None) -> list[Trajectory]:
+        """Roll `samples` trajectories a task out on the workers, score and shape them; adds to `timing`."""
+        i = self.inputs
+        started = time.perf_counter()
+        trajectories, stats = self.workers.rollout(tasks, samples, seeds, i.max_turns, i.rollout.max_new_tokens,
+                                                   temperature)
+        timing["rollout"] += time.perf_counter() - started
+        timing["generated_tokens"] += stats.generated_tokens
+        started = time.perf_counter()
+        for t, rewards in zip(trajectories, self.reward.score(trajectories)):
+            t.rewards = rewards
+        self._shape(trajectories)
+        timing["reward"] += time.perf_counter() - started
+        return trajectories
 
     def _shape(self, trajectories: list[Trajectory]) -> None:
         """DAPO's soft overlong punishment, added to each valid total (shaping.overlong_penalty)."""
@@ -340,15 +348,7 @@ class Trainer:
         becomes each sample's `greedy_baseline` (None when the greedy score is invalid)."""
         i, p = self.inputs, self.params
         seeds = [derive_seed(i.seed, step, attempt, GREEDY_SEED_TAG, w) for w in range(p.ray.num_workers)]
-        started = time.perf_counter()
-        greedy, stats = self.workers.rollout(tasks, 1, seeds, i.max_turns, i.rollout.max_new_tokens, 0.0)
-        timing["rollout"] += time.perf_counter() - started
-        timing["generated_tokens"] += stats.generated_tokens
-        started = time.perf_counter()
-        for t, rewards in zip(greedy, self.reward.score(greedy)):
-            t.rewards = rewards
-        self._shape(greedy)
-        timing["reward"] += time.perf_counter() - started
+        greedy = self._rollout_scored(tasks, 1, seeds, timing, temperature=0.0)
         n = p.samples_per_prompt
         for g, baseline in enumerate(greedy):
             total = baseline.rewards.get("total") if baseline.rewards.get("valid", True) else None
