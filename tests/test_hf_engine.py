@@ -148,3 +148,58 @@ def test_greedy_turns_are_the_round_synchronous_loops(tiny, scene_dir):
         assert mine.trace.input_ids == theirs.trace.input_ids and mine.trace.generated == theirs.trace.generated
         assert [turn.text for turn in mine.turns] == [turn.text for turn in theirs.turns]
         assert mine.end_reason == theirs.end_reason == "answered"
+
+
+def test_cached_turns_log_probs_match_one_forward_pass_over_a_long_search(tiny, scene_dir):
+    """Each turn prefills only its new tokens on top of the dialogue's kept keys and values, with positions given
+    explicitly (3D for images): over a scripted search of several crops, the log-probs recorded turn by turn are
+    those of one forward pass over the whole dialogue, images and all."""
+    from benchmarks.rollout_throughput import ScriptedTurns
+
+    model, processor = tiny
+    protocol = ProtocolParams(min_pixels=3136, max_pixels=50176, max_turns=6, max_images=8)
+    engine = ScriptedTurns(model, processor, get_protocol("mini_o3").stop, temperature=1.0, batch_size=3,
+                           max_turns=6, seed=1)
+    trajectories = run_rollouts(tasks(4), engine, protocol, scene_dir, samples_per_task=2, max_new_tokens=12)
+    longest = max(trajectories, key=lambda t: len(t.trace.extras["pixel_values"]))
+    trace = longest.trace
+    assert len(trace.extras["pixel_values"]) >= 3 and len({t.num_turns for t in trajectories}) > 1
+    ids = torch.tensor([trace.input_ids])
+    with torch.no_grad():
+        logits = model(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            pixel_values=torch.cat(trace.extras["pixel_values"]),
+            image_grid_thw=torch.cat(trace.extras["image_grid_thw"]),
+            mm_token_type_ids=(ids == model.config.image_token_id).long(),
+        ).logits[0]
+    logprobs = logits[:-1].float().log_softmax(-1).gather(1, ids[0, 1:, None]).squeeze(1)
+    flags = torch.tensor(trace.generated[1:], dtype=torch.bool)
+    assert torch.allclose(logprobs[flags], torch.tensor(trace.logprobs[1:])[flags], atol=1e-4)
+
+
+def test_a_row_leaves_when_its_turn_ends_and_a_queued_turn_takes_its_place(tiny):
+    """Continuous batching at token granularity: with two slots and three turns, the third turn starts as soon
+    as the shorter of the first two ends, while the longer one is still decoding."""
+    image = Image.new("RGB", (112, 112), (0, 128, 255))
+
+    class Budgets(TransformersEngine):
+        def turn_budget(self, state, max_new_tokens):
+            return state.trace.extras["budget"]
+
+    eng = Budgets(*tiny, stop=(), temperature=1.0, batch_size=2, seed=0)
+    eng.end_ids = []  # every turn runs to its budget
+    states = []
+    for budget in (3, 12, 4):
+        state = eng.begin("sys", "<image>\nQ?", [image])
+        state.trace.extras["budget"] = budget
+        states.append(state)
+    tickets = [eng.submit(state, 16) for state in states]
+    first = eng.poll()
+    assert [ticket for ticket, _ in first] == [tickets[0]] and first[0][1].num_tokens == 3
+    second = eng.poll()  # the third turn joins while the second is mid-turn, and ends first
+    assert [ticket for ticket, _ in second] == [tickets[2]] and second[0][1].num_tokens == 4
+    assert [row.ticket for row in eng._running.rows] == [tickets[1]] and len(eng._running.rows[0].new_ids) < 12
+    third = eng.poll()
+    assert [ticket for ticket, _ in third] == [tickets[1]] and third[0][1].num_tokens == 12
+    assert eng._running is None

@@ -134,5 +134,8 @@ class Engine(ABC):
             queue = self._turn_queue = TurnQueue()
         return queue
 
+    def reseed(self, seed: int) -> None:
+        """Make the samples of the turns submitted from now on a function of `seed` (and the submissions)."""
+
     def close(self) -> None:
         """Release what the engine holds (GPU memory, threads)."""

@@ -5,23 +5,28 @@ appended as tokens. A user turn's markup (closing the assistant turn, opening th
 markers, opening the next assistant turn) is learnt from the chat template itself at start-up by rendering
 two small dialogues and taking their difference, so no model's template is hard-coded here.
 
-All live dialogues of a round go through one `generate` call per `batch_size` chunk: rows are left-padded,
-and the images of every row are concatenated in row order, which is how Qwen2-VL-family models batch.
+`TransformersEngine` decodes up to `batch_size` turns together and keeps each dialogue's keys and values
+from one turn to the next (kv_batch.py), so a turn prefills only its new tokens and images; a row leaves the
+batch when its turn ends and a queued turn takes its place at the next admission (`poll`). Rows are
+left-padded and their new images concatenated in row order, which is how Qwen2-VL-family models batch.
 """
 
 from __future__ import annotations
 
-import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from PIL import Image
+from transformers import DynamicCache
 
 from loupe.protocol import IMAGE_PLACEHOLDER, split_on_images
 from loupe.rollout.engine import Engine, Generation, TokenTrace
+from loupe.rollout.kv_batch import Batch, DialogueCache, Positions, Row, cache_layers, grouped_attention, keep_rows, left_pad, make_cache, merge, row_layers, sample
 
 _MARK = "\x00LOUPE\x00"
+_STOP_WINDOW = 16
+"""Tokens at the end of a turn decoded to look for a stop string (every stop string is far shorter)."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,8 @@ def learn_turn_markup(processor: Any) -> TurnMarkup:
 class _State:
     trace: TokenTrace
     last_finish: str = ""
+    cache: DialogueCache = field(default_factory=DialogueCache)
+    """Keys and values the transformers engine keeps between turns (unused by the vllm engine)."""
 
     @property
     def pixel_values(self) -> list[torch.Tensor]:
@@ -104,14 +111,47 @@ class TokenContextEngine(Engine):
         markers = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
         ids = {self.tokenizer.convert_tokens_to_ids(m) for m in markers}
         self.suppressed = sorted(i for i in ids if isinstance(i, int) and i >= 0 and i != self.tokenizer.unk_token_id)
+        self._expands_placeholders = self._check_direct_encoding()
 
     # --- building the context -------------------------------------------------------------------------------
 
     def _encode(self, text: str, images: list[Image.Image]) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None]:
+        if images and self._expands_placeholders:
+            return self._encode_direct(text, images)
         if images:
             batch = self.processor(text=[text], images=images, return_tensors="pt")
             return batch["input_ids"][0].tolist(), batch["pixel_values"], batch["image_grid_thw"]
         return self.tokenizer(text, add_special_tokens=False)["input_ids"], None, None
+
+    def _encode_direct(self, text: str, images: list[Image.Image]) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """What a Qwen2-VL-family processor's `__call__` returns (transformers' `processing_qwen2_5_vl.py`): the
+        image processor's pixels and grids, and the text with each image token repeated once per merged patch,
+        tokenized. Done here because `__call__` validates its keyword arguments by building dataclasses on every
+        call (4 ms against 0.7 ms for the two parts on the tiny model), once per observation turn; used only
+        where `_check_direct_encoding` found it gives the processor's own output."""
+        pixels = self.processor.image_processor(images=images, return_tensors="pt")
+        grid = pixels["image_grid_thw"]
+        counts = (grid.prod(-1) // self.processor.image_processor.merge_size**2).tolist()
+        token = self.processor.image_token
+        pieces = text.split(token)
+        if len(pieces) != len(counts) + 1:
+            raise ValueError(f"{len(pieces) - 1} image markers in a turn with {len(counts)} images")
+        expanded = pieces[0] + "".join(token * count + piece for count, piece in zip(counts, pieces[1:]))
+        return self.tokenizer(expanded, add_special_tokens=False)["input_ids"], pixels["pixel_values"], grid
+
+    def _check_direct_encoding(self) -> bool:
+        """Whether `_encode_direct` gives exactly the processor's ids, pixels and grids on a probe turn."""
+        if not (hasattr(self.processor, "image_token") and hasattr(getattr(self.processor, "image_processor", None), "merge_size")):
+            return False
+        probe = Image.new("RGB", (64, 48), (200, 30, 90))
+        text = self.markup.user_prefix + "A " + self.markup.image + " and " + self.markup.image + self.markup.user_suffix
+        try:
+            ids, pixels, grid = self._encode_direct(text, [probe, probe])
+        except (ValueError, KeyError, TypeError):
+            return False
+        reference = self.processor(text=[text], images=[probe, probe], return_tensors="pt")
+        return (ids == reference["input_ids"][0].tolist() and torch.equal(pixels, reference["pixel_values"])
+                and torch.equal(grid, reference["image_grid_thw"]))
 
     def begin(self, system: str, question: str, images: list[Image.Image]) -> _State:
         # The K samples of a task start from the same prompt: encode it once (the processor call is the
@@ -202,12 +242,50 @@ class TransformersEngine(TokenContextEngine):
         super().__init__(processor, stop, temperature, top_p, batch_size)
         self.model = model.eval()
         self.device = next(model.parameters()).device
-        # Qwen2-VL-family models place image tokens with 3D (mrope) positions only when told which tokens are
-        # image tokens; without it generation silently falls back to 1D positions, unlike training and vLLM.
+        # Qwen2-VL-family models place image tokens with 3D (mrope) positions, as in training and vLLM: every
+        # forward pass here is given them explicitly (kv_batch.Positions).
         self.image_token_id = getattr(model.config, "image_token_id", None)
-        self.types_image_tokens = "mm_token_type_ids" in inspect.signature(model.forward).parameters
-        torch.manual_seed(seed)
+        self.positions = Positions(model, self.image_token_id)
+        self.generator = torch.Generator(self.device).manual_seed(seed)
+        self._running: Batch | None = None
+        self._stop_tokens: dict[int, bool] = {}
+        self._prompt_cache: tuple[Any, DialogueCache] | None = None
         self.sync_group: Any = None
+
+    def reseed(self, seed: int) -> None:
+        self.generator.manual_seed(seed)
+
+    @torch.inference_mode()
+    def begin(self, system: str, question: str, images: list[Image.Image]) -> _State:
+        """A new dialogue whose prompt is already in the cache but for its last token: the K samples of a task
+        share one prefill of the prompt (its image through the vision tower once, not K times)."""
+        state = super().begin(system, question, images)
+        key = self._last_prompt[0] if self._last_prompt is not None else None
+        if self._prompt_cache is None or self._prompt_cache[0] != key:
+            self._prompt_cache = (key, self._prefill_prompt(state))
+        state.cache = self._prompt_cache[1]
+        return state
+
+    def _prefill_prompt(self, state: _State) -> DialogueCache:
+        """The prompt's keys and values through its second-to-last token (the last is fed at the first turn, whose
+        logits it gives). The tensors are shared by the samples: a turn's end gives each dialogue new ones."""
+        ids = state.trace.input_ids[:-1]
+        grid = torch.cat(state.grid_thw) if state.grid_thw else None
+        positions, next_position = self.positions.segment(ids, grid, 0)
+        inputs: dict[str, Any] = {
+            "input_ids": torch.tensor([ids], device=self.device),
+            "attention_mask": torch.ones((1, len(ids)), dtype=torch.long, device=self.device),
+            "position_ids": self.positions.batch([positions]).to(self.device),
+            "past_key_values": DynamicCache(),
+        }
+        if state.pixel_values:
+            inputs["pixel_values"] = torch.cat(state.pixel_values).to(self.device, self.model.dtype)
+            inputs["image_grid_thw"] = grid.to(self.device)
+        self.model.eval()
+        with grouped_attention(self.model):
+            output = self.model(**inputs, use_cache=True, logits_to_keep=1)
+        layers = [(keys[0], values[0]) for keys, values in cache_layers(output.past_key_values)]
+        return DialogueCache(layers, len(ids), next_position, len(state.pixel_values))
 
     def init_weight_sync(self, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float) -> None:
         from loupe.rollout.weight_sync import SyncGroup
@@ -236,74 +314,172 @@ class TransformersEngine(TokenContextEngine):
             self.sync_group.close()
             self.sync_group = None
 
-    def generate(self, states: list[_State], max_new_tokens: int) -> list[Generation]:
-        out: list[Generation] = []
-        for start in range(0, len(states), self.batch_size):
-            out += self._generate_batch(states[start : start + self.batch_size], max_new_tokens)
-        return out
+    # --- generation: rows of a running batch, each with its dialogue's cache (kv_batch.py) ------------------
+
+    def turn_budget(self, state: _State, max_new_tokens: int) -> int:
+        """New tokens the state's next turn may take (a benchmark's scripted policy draws its own)."""
+        return max_new_tokens
 
     @torch.inference_mode()
-    def _generate_batch(self, states: list[_State], max_new_tokens: int) -> list[Generation]:
-        self.model.eval()  # the module may be a colocated learner's, which trains in train mode between rollouts
-        width = max(len(s.trace) for s in states)
-        input_ids = torch.full((len(states), width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((len(states), width), dtype=torch.long)
-        for row, state in enumerate(states):
-            ids = state.trace.input_ids
-            input_ids[row, width - len(ids) :] = torch.tensor(ids)
-            attention[row, width - len(ids) :] = 1
-        inputs: dict[str, Any] = {"input_ids": input_ids.to(self.device), "attention_mask": attention.to(self.device)}
-        pixel_values = [p for s in states for p in s.pixel_values]
-        if pixel_values:
-            inputs["pixel_values"] = torch.cat(pixel_values).to(self.device, self.model.dtype)
-            inputs["image_grid_thw"] = torch.cat([g for s in states for g in s.grid_thw]).to(self.device)
-            if self.types_image_tokens and self.image_token_id is not None:
-                inputs["mm_token_type_ids"] = (inputs["input_ids"] == self.image_token_id).long()
-        sampling: dict[str, Any] = {"do_sample": False}
-        if self.temperature > 0:
-            sampling = {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": 0}
-        result = self.model.generate(
-            **inputs,
-            **sampling,
-            max_new_tokens=max_new_tokens,
-            stop_strings=list(self.stop) or None,
-            tokenizer=self.tokenizer,
-            eos_token_id=self.end_ids,
-            pad_token_id=self.pad_id,
-            suppress_tokens=self.suppressed or None,
-            use_cache=True,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-        new_tokens = result.sequences[:, width:]
-        scale = self.temperature if self.temperature > 0 else 1.0
-        # One step at a time: a (batch, steps, vocab) tensor would not fit for a 152k vocabulary.
-        chosen_logprobs = torch.stack(
-            [
-                step.float().div(scale).log_softmax(-1).gather(1, new_tokens[:, t : t + 1]).squeeze(1)
-                for t, step in enumerate(result.logits)
-            ],
-            dim=1,
-        ).cpu()
-        new_tokens = new_tokens.cpu()
-        generations = []
-        for row, state in enumerate(states):
-            ids, finish = self._cut(new_tokens[row].tolist())
-            generations.append(self._record(state, ids, chosen_logprobs[row, : len(ids)].tolist(), finish))
-        return generations
+    def poll(self) -> list[tuple[int, Generation]]:
+        """Decode the running rows until at least one turn ends; queued turns join the batch as rows leave it.
 
-    def _cut(self, ids: list[int]) -> tuple[list[int], str]:
-        """The row's own tokens (through its end token or stop string) and why it stopped.
-
-        Rows that stopped early are padded with the pad token, which may also be an end token, so a stop
-        string found before the first end token wins.
+        Queued turns are admitted first in, first out whenever a quarter of the batch is free (or nothing
+        runs): each admission is one prefill forward pass, so joining one row at a time would spend a pass a
+        row.
         """
-        eos_at = next((i for i, token in enumerate(ids) if token in self.end_ids), None)
-        own = ids if eos_at is None else ids[:eos_at]
-        if self.stop and any(s in self.tokenizer.decode(own, skip_special_tokens=True) for s in self.stop):
-            for i in range(len(own)):
-                if any(s in self.tokenizer.decode(own[: i + 1], skip_special_tokens=True) for s in self.stop):
-                    return own[: i + 1], "stop"
-        if eos_at is not None:
-            return ids[: eos_at + 1], "eos"
-        return ids, "length"
+        queue = self._queue().turns
+        if not queue and self._running is None:
+            raise RuntimeError(f"{self.name} engine: poll with no turn submitted")
+        self.model.eval()  # the module may be a colocated learner's, which trains in train mode between rollouts
+        running = len(self._running.rows) if self._running is not None else 0
+        free = self.batch_size - running
+        finished: list[tuple[int, Generation]] = []
+        if queue and (running == 0 or free >= max(1, self.batch_size // 4)):
+            joining = [Row(ticket, state, self.turn_budget(state, budget)) for ticket, state, budget in queue[:free]]
+            del queue[:free]
+            self._running = merge(self._running, self._prefill(joining))
+            self._running, finished = self._settle(self._running)
+        while not finished and self._running is not None:
+            self._decode_step(self._running)
+            self._running, finished = self._settle(self._running)
+        return finished
+
+    def cancel(self) -> None:
+        super().cancel()
+        self._running = None
+
+    @torch.inference_mode()
+    def generate(self, states: list[_State], max_new_tokens: int) -> list[Generation]:
+        """Static batching, as `model.generate` batches: each `batch_size` chunk is prefilled together and
+        decoded until its longest turn ends; a row whose turn ended keeps its slot (fed padding, its output
+        dropped) and no turn joins. The round-synchronous baseline of `benchmarks/rollout_throughput.py`."""
+        self.model.eval()
+        out: dict[int, Generation] = {}
+        for start in range(0, len(states), self.batch_size):
+            rows = [Row(start + i, state, self.turn_budget(state, max_new_tokens))
+                    for i, state in enumerate(states[start : start + self.batch_size])]
+            batch = self._prefill(rows)
+            while True:
+                for index, row in enumerate(batch.rows):
+                    if row.finish and row.ticket not in out:
+                        out[row.ticket] = self._end_turn(batch, index)
+                if all(row.finish for row in batch.rows):
+                    break
+                self._decode_step(batch)
+        return [out[i] for i in range(len(states))]
+
+    def _prefill(self, rows: list[Row]) -> Batch:
+        """One forward pass over each row's uncached tail (the last turn's final token, the new user turn and
+        its images) on top of its cached keys; samples each row's first token."""
+        segments, positions, pixels, grids = [], [], [], []
+        for row in rows:
+            state, cache = row.state, row.state.cache
+            segment = state.trace.input_ids[cache.cached :]
+            new_grids = state.grid_thw[cache.images_cached :]
+            grid = torch.cat(new_grids) if new_grids else None
+            position, row.position = self.positions.segment(segment, grid, cache.next_position)
+            segments.append(segment)
+            positions.append(position)
+            pixels += state.pixel_values[cache.images_cached :]
+            grids += new_grids
+        past = max(row.state.cache.cached for row in rows)
+        width = max(len(s) for s in segments)
+        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), past + width), dtype=torch.bool)
+        for i, (row, segment) in enumerate(zip(rows, segments)):
+            input_ids[i, width - len(segment) :] = torch.tensor(segment)
+            mask[i, past - row.state.cache.cached : past] = True
+            mask[i, past + width - len(segment) :] = True
+        inputs: dict[str, Any] = {
+            "input_ids": input_ids.to(self.device),
+            "attention_mask": mask.long().to(self.device),
+            "position_ids": self.positions.batch(positions).to(self.device),
+            "past_key_values": self._past(rows, past),
+        }
+        if pixels:
+            inputs["pixel_values"] = torch.cat(pixels).to(self.device, self.model.dtype)
+            inputs["image_grid_thw"] = torch.cat(grids).to(self.device)
+        with grouped_attention(self.model):
+            output = self.model(**inputs, use_cache=True, logits_to_keep=1)
+        batch = Batch(rows, make_cache(cache_layers(output.past_key_values)), mask.to(self.device))
+        self._take_sample(batch, output.logits[:, -1])
+        return batch
+
+    def _past(self, rows: list[Row], length: int) -> DynamicCache:
+        """The rows' cached keys and values, left-padded to `length`, as one cache (empty at a first turn)."""
+        if length == 0:
+            return DynamicCache()
+        template = next(row.state.cache.layers for row in rows if row.state.cache.layers)
+        layers = []
+        for index, (keys, values) in enumerate(template):
+            empty = keys.new_zeros((keys.shape[0], 0, keys.shape[2]))
+            per_row = [row.state.cache.layers[index] if row.state.cache.layers else (empty, empty) for row in rows]
+            layers.append((torch.stack([left_pad(k, length, 1) for k, _ in per_row]),
+                           torch.stack([left_pad(v, length, 1) for _, v in per_row])))
+        return make_cache(layers)
+
+    def _decode_step(self, batch: Batch) -> None:
+        """Feed every row its last sampled token and sample the next."""
+        rows = batch.rows
+        input_ids = torch.tensor([[self.pad_id if row.finish else row.new_ids[-1]] for row in rows], device=self.device)
+        batch.mask = torch.cat([batch.mask, batch.mask.new_ones((len(rows), 1))], dim=1)
+        position = torch.tensor([[row.position] for row in rows])
+        with grouped_attention(self.model):
+            output = self.model(
+                input_ids=input_ids,
+                attention_mask=batch.mask.long(),
+                position_ids=(position.expand(3, -1, -1) if self.positions.dims == 3 else position).to(self.device),
+                past_key_values=batch.cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        batch.cache = output.past_key_values
+        for row in rows:
+            row.position += 1
+        self._take_sample(batch, output.logits[:, -1])
+
+    def _take_sample(self, batch: Batch, logits: torch.Tensor) -> None:
+        tokens, logprobs = sample(logits, self.temperature, self.top_p, self.suppressed, self.generator)
+        for row, token, logprob in zip(batch.rows, tokens.tolist(), logprobs.tolist()):
+            if row.finish:  # a static batch's ended row, fed padding until the batch ends
+                continue
+            row.new_ids.append(token)
+            row.logprobs.append(logprob)
+            row.finish = self._finish_reason(row)
+
+    def _finish_reason(self, row: Row) -> str:
+        """Why the row's turn ends at its newest token: a stop string ends it first (it is kept), then the
+        end-of-turn token, then the budget; "" while it goes on."""
+        if self.stop and self._may_end_stop(row.new_ids[-1]):
+            tail = self.tokenizer.decode(row.new_ids[-_STOP_WINDOW:], skip_special_tokens=True)
+            if any(s in tail for s in self.stop):
+                return "stop"
+        if row.new_ids[-1] in self.end_ids:
+            return "eos"
+        return "length" if len(row.new_ids) >= row.budget else ""
+
+    def _end_turn(self, batch: Batch, index: int) -> Generation:
+        """Record the row's turn; its dialogue keeps the row's keys and values for its next turn."""
+        row = batch.rows[index]
+        state = row.state
+        # The last sampled token was never fed: the cache ends one token short of the turn.
+        state.cache = DialogueCache(row_layers(batch, index), len(state.trace) + len(row.new_ids) - 1,
+                                    row.position, len(state.pixel_values))
+        return self._record(state, row.new_ids, row.logprobs, row.finish)
+
+    def _may_end_stop(self, token: int) -> bool:
+        """Whether the token's text holds the last character of a stop string (decoding the turn's tail at
+        every step for every row costs more than the step's attention on a small model)."""
+        found = self._stop_tokens.get(token)
+        if found is None:
+            piece = self.tokenizer.decode([token])
+            found = self._stop_tokens[token] = any(s[-1] in piece for s in self.stop)
+        return found
+
+    def _settle(self, batch: Batch) -> tuple[Batch | None, list[tuple[int, Generation]]]:
+        """Take the ended rows out of the batch."""
+        finished = [(row.ticket, self._end_turn(batch, index)) for index, row in enumerate(batch.rows) if row.finish]
+        if not finished:
+            return batch, []
+        return keep_rows(batch, [i for i, row in enumerate(batch.rows) if not row.finish]), finished

@@ -153,6 +153,9 @@ class OpenAIEngine(Engine):
         self._in_flight: dict[Future, int] = {}
         self._ticket = 0
 
+    def reseed(self, seed: int) -> None:
+        self.seed = seed
+
     def begin(self, system: str, question: str, images: list[Image.Image]) -> _ChatState:
         state = _ChatState(
             messages=[{"role": "system", "content": system}, {"role": "user", "content": _content(question, images)}]

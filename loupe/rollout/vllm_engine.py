@@ -63,6 +63,9 @@ class VLLMEngine(TokenContextEngine):
         self.image_pad_id = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
         self._requests = 0
 
+    def reseed(self, seed: int) -> None:
+        self.seed = seed
+
     def _collapse_image_pads(self, ids: list[int]) -> list[int]:
         out: list[int] = []
         for token in ids:

@@ -88,10 +88,9 @@ class RolloutWorker:
             finally:
                 self.engine.temperature = trained
         torch.manual_seed(seed)
-        if self.engine.name == "vllm":
-            # vLLM samples from per-request seeds (distinct per sample) derived from the engine's seed: reseed it
-            # too, so a step's rollouts depend on (weights, seed) alone, as on the transformers engine.
-            self.engine.seed = seed
+        # Engines sample from their own generators (the transformers engine) or per-request seeds derived from
+        # theirs (vLLM): reseeding them makes a step's rollouts depend on (weights, seed) alone.
+        self.engine.reseed(seed)
         stats = RolloutStats()
         if not tasks:
             return [], stats
