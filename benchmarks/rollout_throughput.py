@@ -1,26 +1,29 @@
 """Rollout throughput on multi-turn work: the per-trajectory loop against the round-synchronous loop it replaced
-and against one trajectory at a time, measured in one run.
+and against one turn at a time, measured in one run.
 
-All three sides use the same engine class, model, tasks, seed and batch size:
+All three sides use the same engine class (the transformers engine, each dialogue's keys and values kept between
+turns), model, tasks and seed:
 
-- `sequential`: one trajectory at a time, each to its end (`run_rollouts` on a single task and sample);
+- `sequential`: one turn generated at a time (`run_rollouts` with an engine of batch size 1): no batching;
 - `round-sync`: the loop before issue 16, kept here as the baseline only: each round, every live
-  trajectory's next turn goes to the engine together, and the round waits for all of them;
+  trajectory's next turn goes to the engine together (`Engine.generate`: static batches of `--batch-size`, each
+  decoded until its longest turn ends, as `model.generate` batches), and the round waits for all of them;
 - `per-traj`: `loupe.rollout.run_rollouts`: each trajectory's next turn is queued as soon as its last one is
-  handled, and the engine's batches are refilled first in, first out from whatever waits.
+  handled, and rows join and leave the engine's running batch (`--batch-size` slots) at token granularity.
 
 Two workloads:
 
 - `scripted` (the default): the transformers engine generates every turn for real (the tiny model, or
-  `--model`), but what the turn *says* is scripted: each trajectory draws a turn count from a long-tailed law
-  (P(k) proportional to k^-1.5 on 1..--max-turns, Mini-o3's test-time limit of 32 by default) and zooms until
-  then, so contexts, crops and image processing grow as in a real long search. The untrained tiny model
-  would end after one turn; an RL batch's turn counts are long-tailed (Mini-o3, DeepEyes).
+  `--model`), but each turn's length and what it *says* are scripted: each trajectory draws a turn count from
+  a long-tailed law (P(k) proportional to k^-1.5 on 1..--max-turns, Mini-o3's test-time limit of 32 by default)
+  and zooms until then, so contexts, crops and image processing grow as in a real long search; each turn draws
+  its length from a log-normal (median a quarter of `--max-new-tokens`), as reasoning turns vary. The untrained
+  tiny model would end after one turn; an RL batch's turn counts are long-tailed (Mini-o3, DeepEyes).
 - `model`: the model's own turns (`--model work/sft/model --tasks work/data/tasks` after `make run`; the SFT
   model takes 1.4-2 turns a trajectory).
 
     python benchmarks/rollout_throughput.py [--workload scripted|model] [--model DIR] [--tasks DIR]
-        [--trajectories 64] [--samples-per-task 4] [--batch-size 8] [--max-turns 32] [--max-new-tokens 16]
+        [--trajectories 128] [--samples-per-task 4] [--batch-size 16] [--max-turns 32] [--max-new-tokens 64]
 
 Prints trajectories/s and turns for each side and the ratios (targets: per-traj >= 1.5x round-sync, >= 5x
 sequential). Not a test: a measurement.
@@ -29,6 +32,7 @@ sequential). Not a test: a measurement.
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import tempfile
 import time
@@ -64,8 +68,13 @@ def round_synchronous_rollouts(tasks: list[TaskRecord], engine: Engine, protocol
 
 
 class ScriptedTurns(TransformersEngine):
-    """The transformers engine, generating for real, with each turn's text replaced by a script: a zoom on a
-    random box until the trajectory's drawn turn count, then an answer. Turn counts follow P(k) ~ k^-1.5."""
+    """The transformers engine, generating for real, with each turn's length and text taken from a script.
+
+    Each trajectory draws its turn count from P(k) ~ k^-1.5 on 1..max_turns; it zooms on a random box until
+    then and answers. Each turn draws its length (new tokens) from a log-normal with median a quarter of the
+    turn budget, clipped to [2, budget], so turns of one batch end at different steps as reasoning turns do.
+    The model's own tokens are kept in the trace; only the text the loop parses is scripted.
+    """
 
     def __init__(self, *args: Any, max_turns: int, seed: int, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -80,20 +89,22 @@ class ScriptedTurns(TransformersEngine):
         self.started += 1
         return state
 
-    def generate(self, states: list[Any], max_new_tokens: int) -> list[Generation]:
-        generations = super().generate(states, max_new_tokens)
-        scripted = []
-        for state, generation in zip(states, generations):
-            script = state.trace.extras["script"]
-            script[1] += 1
-            if script[1] >= script[0]:
-                text = "<think>Found it.</think>\n<answer>A</answer>"
-            else:
-                x, y = (int(v) for v in random.Random(f"{script[2]}/{script[1]}").choices(range(6), k=2))
-                box = [x / 10, y / 10, x / 10 + 0.4, y / 10 + 0.4]
-                text = f'<think>Zoom.</think>\n<grounding>{{"bbox_2d": {box}, "source": "original_image"}}</grounding>'
-            scripted.append(Generation(text=text, finish="stop", num_tokens=generation.num_tokens))
-        return scripted
+    def turn_budget(self, state: Any, max_new_tokens: int) -> int:
+        _, done, index = state.trace.extras["script"]
+        draw = random.Random(f"length/{index}/{done}").lognormvariate(math.log(max(1.0, max_new_tokens / 4)), 0.8)
+        return max(2, min(max_new_tokens, round(draw)))
+
+    def _record(self, state: Any, ids: list[int], logprobs: list[float], finish: str) -> Generation:
+        generation = super()._record(state, ids, logprobs, finish)
+        script = state.trace.extras["script"]
+        script[1] += 1
+        if script[1] >= script[0]:
+            text = "<think>Found it.</think>\n<answer>A</answer>"
+        else:
+            x, y = (int(v) for v in random.Random(f"{script[2]}/{script[1]}").choices(range(6), k=2))
+            box = [x / 10, y / 10, x / 10 + 0.4, y / 10 + 0.4]
+            text = f'<think>Zoom.</think>\n<grounding>{{"bbox_2d": {box}, "source": "original_image"}}</grounding>'
+        return Generation(text=text, finish="stop", num_tokens=generation.num_tokens)
 
 
 def measure(label: str, run) -> tuple[float, RolloutStats]:
@@ -112,11 +123,11 @@ def main() -> None:
     parser.add_argument("--workload", choices=("scripted", "model"), default="scripted")
     parser.add_argument("--model", type=Path, default=None)
     parser.add_argument("--tasks", type=Path, default=None, help="a task folder (default: zoom tasks generated here)")
-    parser.add_argument("--trajectories", type=int, default=64)
+    parser.add_argument("--trajectories", type=int, default=128)
     parser.add_argument("--samples-per-task", type=int, default=4)
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-turns", type=int, default=32)
-    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -146,10 +157,8 @@ def main() -> None:
             return TransformersEngine(model, processor, stop, **common)
 
         def sequential(stats: RolloutStats) -> None:
-            eng = engine(args.batch_size)
-            for task in tasks:
-                for _ in range(args.samples_per_task):
-                    run_rollouts([task], eng, protocol, data, max_new_tokens=args.max_new_tokens, stats=stats)
+            run_rollouts(tasks, engine(1), protocol, data, args.samples_per_task, max_new_tokens=args.max_new_tokens,
+                         stats=stats)
 
         def round_sync(stats: RolloutStats) -> None:
             round_synchronous_rollouts(tasks, engine(args.batch_size), protocol, data, args.samples_per_task,
