@@ -78,7 +78,11 @@ def test_logprobs_match_a_fresh_forward_pass(tiny, scene_dir):
     model, processor = tiny
     eng = engine(tiny, temperature=1.0)
     [t] = run_rollouts(tasks(1), eng, PROTOCOL, scene_dir, max_new_tokens=16)
-    trace = t.trace
+    assert_logprobs_are_one_forward_pass(model, t.trace)
+
+
+def assert_logprobs_are_one_forward_pass(model, trace) -> None:
+    """The trace's recorded log-probs of generated tokens are those of one forward pass over its whole dialogue."""
     ids = torch.tensor([trace.input_ids])
     with torch.no_grad():
         logits = model(
@@ -91,8 +95,7 @@ def test_logprobs_match_a_fresh_forward_pass(tiny, scene_dir):
         ).logits[0]
     logprobs = logits[:-1].float().log_softmax(-1).gather(1, ids[0, 1:, None]).squeeze(1)
     flags = torch.tensor(trace.generated[1:], dtype=torch.bool)
-    recorded = torch.tensor(trace.logprobs[1:])[flags]
-    assert torch.allclose(logprobs[flags], recorded, atol=1e-4)
+    assert torch.allclose(logprobs[flags], torch.tensor(trace.logprobs[1:])[flags], atol=1e-4)
 
 
 def test_same_seed_same_trajectories(tiny, scene_dir):
@@ -162,20 +165,8 @@ def test_cached_turns_log_probs_match_one_forward_pass_over_a_long_search(tiny, 
                            max_turns=6, seed=1)
     trajectories = run_rollouts(tasks(4), engine, protocol, scene_dir, samples_per_task=2, max_new_tokens=12)
     longest = max(trajectories, key=lambda t: len(t.trace.extras["pixel_values"]))
-    trace = longest.trace
-    assert len(trace.extras["pixel_values"]) >= 3 and len({t.num_turns for t in trajectories}) > 1
-    ids = torch.tensor([trace.input_ids])
-    with torch.no_grad():
-        logits = model(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            pixel_values=torch.cat(trace.extras["pixel_values"]),
-            image_grid_thw=torch.cat(trace.extras["image_grid_thw"]),
-            mm_token_type_ids=(ids == model.config.image_token_id).long(),
-        ).logits[0]
-    logprobs = logits[:-1].float().log_softmax(-1).gather(1, ids[0, 1:, None]).squeeze(1)
-    flags = torch.tensor(trace.generated[1:], dtype=torch.bool)
-    assert torch.allclose(logprobs[flags], torch.tensor(trace.logprobs[1:])[flags], atol=1e-4)
+    assert len(longest.trace.extras["pixel_values"]) >= 3 and len({t.num_turns for t in trajectories}) > 1
+    assert_logprobs_are_one_forward_pass(model, longest.trace)
 
 
 def test_a_row_leaves_when_its_turn_ends_and_a_queued_turn_takes_its_place(tiny):
