@@ -123,7 +123,8 @@ class RolloutParams(Section):
     max_new_tokens: int = Field(256, ge=1)
     """New tokens one assistant turn may generate; a turn that reaches it ends the trajectory as `length`."""
     batch_size: int = Field(64, ge=1)
-    """Trajectories generated together in one batch (transformers engine)."""
+    """Turns decoding together in the transformers engine's running batch (rows leave as their turns end and waiting
+    turns join)."""
     device: str = "auto"
     """Torch device for the transformers engine: auto (cuda when present), cpu or cuda:N."""
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
