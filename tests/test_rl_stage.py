@@ -146,8 +146,15 @@ def test_a_crashed_ppo_run_resumes_its_critic_exactly(tiny_model_dir, toy_dir, t
         assert [r.get(key) for r in straight] == [r.get(key) for r in resumed], key
 
 
-def test_a_crashed_run_resumes_to_the_same_weights_and_metrics(tiny_model_dir, toy_dir, tmp_path, monkeypatch):
-    params = write_params(tmp_path / "params.yaml", {"steps": 4, "checkpoint_every": 2, "dynamic_sampling": {"enabled": True, "max_tries": 2}})
+OVERLAP = {"overlap": True, "logprob_source": "rollout"}
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_a_crashed_run_resumes_to_the_same_weights_and_metrics(overlap, tiny_model_dir, toy_dir, tmp_path, monkeypatch):
+    """With overlap, the step-2 checkpoint also keeps step 3's batch, generated during step 2 with step 2's
+    weights of before the update: the resumed run must train on exactly that batch."""
+    keys = {"steps": 4, "checkpoint_every": 2, "dynamic_sampling": {"enabled": True, "max_tries": 2}}
+    params = write_params(tmp_path / "params.yaml", {**keys, **(OVERLAP if overlap else {})})
     _train(params, tiny_model_dir, toy_dir, tmp_path / "straight")
 
     real_step = _crash_at_step_3(params, tiny_model_dir, toy_dir, tmp_path / "resumed", monkeypatch)
@@ -161,17 +168,52 @@ def test_a_crashed_run_resumes_to_the_same_weights_and_metrics(tiny_model_dir, t
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     for key in ("reward/mean", "update/grad_norm", "stream/position", "batch/tries"):
         assert [r.get(key) for r in straight] == [r.get(key) for r in resumed], key
+    if overlap:
+        assert [r["time/rollout_ahead"] > 0 for r in resumed] == [False, True, True, True]
+        assert (tmp_path / "resumed" / "checkpoints" / "step_000004").is_dir()
 
 
-def test_the_ray_actor_path_trains_exactly_like_the_in_process_one(tiny_model_dir, toy_dir, tmp_path):
+def test_overlap_learns_the_toy_task_from_batches_one_update_behind(tiny_model_dir, toy_dir, tmp_path):
+    """One-step overlap: from step 2 on, each step trains on a batch sampled during the step before with the
+    weights of before that step's update, its ratio taken against the sampler's log-probs; GRPO still takes the
+    toy reward from chance to 0.9. The batch differs from the synchronous run's, which samples after the update."""
+    keys = {"steps": 30, "prompts_per_step": 4, "samples_per_prompt": 8, "checkpoint_every": 100}
+    _train(write_params(tmp_path / "overlap.yaml", {**keys, **OVERLAP}), tiny_model_dir, toy_dir, tmp_path / "overlap")
+    rows = _rows(tmp_path / "overlap")
+    rewards = [row["reward/mean"] for row in rows]
+    assert rewards[0] <= 0.35 and min(rewards[-3:]) >= 0.9, rewards
+    assert rows[0]["time/rollout"] > 0 and all(row["time/rollout"] == 0 and row["time/rollout_ahead"] > 0 for row in rows[1:])
+    _train(write_params(tmp_path / "sync.yaml", {**keys, "steps": 2, "logprob_source": "rollout"}), tiny_model_dir,
+           toy_dir, tmp_path / "sync")
+    synchronous = _rows(tmp_path / "sync")
+    assert synchronous[0]["reward/mean"] == rows[0]["reward/mean"]  # the same first batch, from the same weights
+    assert synchronous[1]["update/grad_norm"] != rows[1]["update/grad_norm"]  # the second: sampled before vs after
+
+
+@pytest.mark.parametrize("keys, message", [
+    ({"logprob_source": "recompute"}, "logprob_source: rollout"),
+    ({"logprob_source": "rollout", "estimator": "remax"}, "greedy baseline"),
+    ({"logprob_source": "rollout", "ray": {"enabled": False, "colocate": True}}, "colocate"),
+])
+def test_overlap_refuses_what_it_cannot_do(keys, message):
+    from stages.rl.params import RLParams
+
+    with pytest.raises(ValueError, match=message):
+        RLParams(overlap=True, **keys)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_the_ray_actor_path_trains_exactly_like_the_in_process_one(overlap, tiny_model_dir, toy_dir, tmp_path):
     """Rollouts in a Ray worker, rewards in a Ray reward pool, weights broadcast from the learner to the worker
     over gloo: the same seeds give the same trajectories, so two steps end on the same weights as without Ray
-    (a worker that missed the weight sync would sample its second step from the old policy)."""
-    local = write_params(tmp_path / "local.yaml", {"steps": 2})
-    on_ray = write_params(tmp_path / "ray.yaml", {"steps": 2, "ray": {"enabled": True, "num_workers": 1}})
+    (a worker that missed the weight sync would sample its second step from the old policy). With overlap, the
+    Ray worker generates the next batch while the learner updates, as a thread does in-process."""
+    extra = {**OVERLAP, "steps": 3} if overlap else {}
+    local = write_params(tmp_path / "local.yaml", {"steps": 2, **extra})
+    on_ray = write_params(tmp_path / "ray.yaml", {"steps": 2, "ray": {"enabled": True, "num_workers": 1}, **extra})
     _train(local, tiny_model_dir, toy_dir, tmp_path / "local")
     metrics = _train(on_ray, tiny_model_dir, toy_dir, tmp_path / "ray")
-    assert metrics["steps"] == 2
+    assert metrics["steps"] == (3 if overlap else 2)
     _assert_same_weights(_weights(tmp_path / "local" / "model"), _weights(tmp_path / "ray" / "model"))
     assert [r["reward/mean"] for r in _rows(tmp_path / "local")] == [r["reward/mean"] for r in _rows(tmp_path / "ray")]
 

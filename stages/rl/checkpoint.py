@@ -19,6 +19,7 @@ the newest complete one; older ones beyond `keep` are deleted only after a newer
 from __future__ import annotations
 
 import json
+import pickle
 import random
 import shutil
 from collections.abc import Callable
@@ -61,14 +62,21 @@ def checkpoint_dir(out_dir: Path, step: int) -> Path:
 LEARNER_DIR = "learner"
 
 
+AHEAD_FILE = "ahead.pkl"
+"""The batch generated ahead for the next step (rl.overlap), pickled: trajectories with their token traces."""
+
+
 def save_checkpoint(
-    out_dir: Path, step: int, write_learner: Callable[[Path], None], state: dict[str, Any], keep: int = 2
+    out_dir: Path, step: int, write_learner: Callable[[Path], None], state: dict[str, Any], keep: int = 2,
+    ahead: Any = None,
 ) -> Path:
-    """Write step `step`'s checkpoint atomically (`write_learner(folder)` writes the learner's shards), then
-    prune all but the newest `keep`."""
+    """Write step `step`'s checkpoint atomically (`write_learner(folder)` writes the learner's shards; `ahead`,
+    the next step's batch generated during this one, is kept beside them), then prune all but the newest `keep`."""
     final = checkpoint_dir(out_dir, step)
     with atomic_directory(final) as tmp:
         write_learner(tmp / LEARNER_DIR)
+        if ahead is not None:
+            (tmp / AHEAD_FILE).write_bytes(pickle.dumps(ahead))
         torch.save(rng_state(), tmp / "rng.pt")
         atomic_write_json(tmp / STATE_FILE, {"step": step, **state})
     for old in list_checkpoints(out_dir)[:-keep]:
@@ -96,3 +104,9 @@ def load_checkpoint(path: Path) -> tuple[Path, dict[str, Any]]:
     state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
     set_rng_state(torch.load(path / "rng.pt", weights_only=False))
     return path / LEARNER_DIR, state
+
+
+def load_ahead(path: Path) -> Any:
+    """The batch a checkpoint generated ahead for its next step, or None."""
+    file = Path(path) / AHEAD_FILE
+    return pickle.loads(file.read_bytes()) if file.is_file() else None

@@ -172,6 +172,13 @@ class RLParams(Section):
     the grouped rewards alone, which is `true`); both are available."""
     dynamic_sampling: DynamicSamplingParams = DynamicSamplingParams()
     """Drop zero-signal groups and refill the batch."""
+    overlap: bool = False
+    """One-step overlap of rollout and update: while the learner updates on step k's batch, the rollout workers
+    already generate step k+1's first batch with the weights of before the update (one step off-policy, as
+    verl's one-step-off-policy recipe and AReaL do). The importance ratio is taken against the sampler's
+    log-probs, which carry that lag, so it needs `logprob_source: rollout`. Not with ReMax (its greedy baseline
+    must come from the sampling policy) nor with `ray.colocate` (the engines share the learner's weights).
+    Exact resume holds: a checkpoint keeps the batch generated ahead."""
     logprob_source: Literal["rollout", "recompute"] = "recompute"
     """Old log-probs of the importance ratio: the sampler's own (`rollout`), or recomputed by the learner
     before the update (`recompute`: exact for the learner's numerics; needed when vLLM samples in bf16)."""
@@ -282,6 +289,15 @@ class RLParams(Section):
             raise ValueError("clip_low/clip_high: at least one clip range must be positive")
         if self.mini_batches > self.prompts_per_step * self.samples_per_prompt:
             raise ValueError("mini_batches: more mini-batches than sequences in a batch")
+        if self.overlap:
+            if self.logprob_source != "rollout":
+                raise ValueError("overlap: the batch is sampled one update behind, so the importance ratio must use the "
+                                 "sampler's log-probs; set logprob_source: rollout")
+            if self.recipe.greedy_baseline:
+                raise ValueError("overlap: ReMax's greedy baseline must come from the sampling policy; set overlap: false")
+            if self.ray.colocate:
+                raise ValueError("overlap: colocated engines share the learner's weights, which change while they would "
+                                 "generate; set ray.colocate: false or overlap: false")
         return self
 
     @property

@@ -205,6 +205,17 @@ def to_sequence(t: Trajectory, trained: bool, group: str) -> TrainSequence:
     )
 
 
+@dataclass
+class RolloutAhead:
+    """A step's first batch, generated during the step before (rl.overlap), with the weights of before its update."""
+
+    step: int
+    trajectories: list[Trajectory]
+    generated_tokens: int
+    seconds: float
+    """Wall time from its start to its end, mostly hidden behind the update."""
+
+
 class Trainer:
     """Owns the actors and the loop; `run()` trains to `rl.steps` and leaves the model in `out/model`."""
 
@@ -220,6 +231,8 @@ class Trainer:
         self.step = 0
         self.last_batch: list[Trajectory] = []
         self._ray_started = False
+        self.ahead: RolloutAhead | None = None
+        """With rl.overlap: the next step's first batch, started before this step's update."""
 
     # --- set-up and tear-down -------------------------------------------------------------------------------
 
@@ -252,6 +265,7 @@ class Trainer:
             self.workers.sync_weights(self.learner, self.manifest)
             self.step = int(state["step"])
             self.stream.position = int(state["stream_position"])
+            self.ahead = ckpt.load_ahead(found)
             self.log.truncate(self.step)
             self.run.set_tags({"rl.resumed_from_step": self.step})
         else:
@@ -290,9 +304,16 @@ class Trainer:
         timing = {"rollout": 0.0, "reward": 0.0, "generated_tokens": 0.0, "tries": 0.0, "groups_seen": 0.0}
         tries = p.dynamic_sampling.max_tries if p.dynamic_sampling.enabled else 1
         for attempt in range(1, tries + 1):
-            tasks = [i.train[k] for k in self.stream.take(p.prompts_per_step)]
-            seeds = [derive_seed(i.seed, step, attempt, w) for w in range(p.ray.num_workers)]
-            trajectories = self._rollout_scored(tasks, p.samples_per_prompt, seeds, timing)
+            if attempt == 1 and self.ahead is not None:
+                if self.ahead.step != step:
+                    raise RuntimeError(f"rl: the batch generated ahead is step {self.ahead.step}'s, not step {step}'s")
+                trajectories = self._scored(self.ahead.trajectories, self.ahead.generated_tokens, 0.0, timing)
+                timing["rollout_ahead"] = self.ahead.seconds
+                self.ahead = None
+            else:
+                tasks = [i.train[k] for k in self.stream.take(p.prompts_per_step)]
+                seeds = [derive_seed(i.seed, step, attempt, w) for w in range(p.ray.num_workers)]
+                trajectories = self._rollout_scored(tasks, p.samples_per_prompt, seeds, timing)
             if p.recipe.greedy_baseline:
                 self._greedy_baselines(tasks, trajectories, step, attempt, timing)
             timing["tries"] = attempt
@@ -319,8 +340,13 @@ class Trainer:
         started = time.perf_counter()
         trajectories, stats = self.workers.rollout(tasks, samples, seeds, i.max_turns, i.rollout.max_new_tokens,
                                                    temperature)
-        timing["rollout"] += time.perf_counter() - started
-        timing["generated_tokens"] += stats.generated_tokens
+        return self._scored(trajectories, stats.generated_tokens, time.perf_counter() - started, timing)
+
+    def _scored(self, trajectories: list[Trajectory], generated_tokens: int, rollout_seconds: float,
+                timing: dict[str, float]) -> list[Trajectory]:
+        """Score and shape rolled-out trajectories; adds the rollout's time and tokens to `timing`."""
+        timing["rollout"] += rollout_seconds
+        timing["generated_tokens"] += generated_tokens
         started = time.perf_counter()
         for t, rewards in zip(trajectories, self.reward.score(trajectories)):
             t.rewards = rewards
@@ -389,6 +415,7 @@ class Trainer:
 
         update_started = time.perf_counter()
         update: dict[str, float] = {}
+        started_ahead = self._start_ahead(step + 1) if p.overlap and step < p.steps else None
         self.workers.sleep()  # colocated vLLM gives the GPU to the learner until the weights are back
         if trained:
             if p.logprob_source == "recompute":
@@ -412,6 +439,7 @@ class Trainer:
                     s.advantage = float(a)
             train_policy = not (p.recipe.critic and step <= p.critic.warmup_steps)
             update = self.learner.update(trained, train_policy=train_policy)
+            timing["ahead_wait"] = self._finish_ahead(started_ahead)
             if train_policy:
                 sync_started = time.perf_counter()
                 self.workers.wake_up(["weights"])
@@ -422,8 +450,10 @@ class Trainer:
                 self.workers.wake_up(None)
         else:
             update = {"skipped_update": 1.0}
+            timing["ahead_wait"] = self._finish_ahead(started_ahead)
             self.workers.wake_up(None)
-        timing["update"] = time.perf_counter() - update_started - timing.get("sync", 0.0)
+        timing["update"] = (time.perf_counter() - update_started - timing.get("sync", 0.0)
+                            - timing.get("ahead_wait", 0.0))
 
         row: dict[str, Any] = {"step": step, "kind": "train", **rollout_metrics(everything)}
         row.update({f"update/{k}": v for k, v in update.items()})
@@ -443,6 +473,8 @@ class Trainer:
                 "time/reward": timing["reward"],
                 "time/update": timing["update"],
                 "time/sync": timing.get("sync", 0.0),
+                "time/ahead_wait": timing.get("ahead_wait", 0.0),
+                "time/rollout_ahead": timing.get("rollout_ahead", 0.0),
                 "time/step": step_seconds,
                 "throughput/rollout_tokens_per_s": timing["generated_tokens"] / max(timing["rollout"], 1e-9),
                 "throughput/update_tokens_per_s": processed / max(timing["update"], 1e-9) if trained else 0.0,
@@ -450,6 +482,26 @@ class Trainer:
             }
         )
         return row
+
+    def _start_ahead(self, step: int) -> tuple[int, list[Any], float]:
+        """Start step `step`'s first rollout on the workers' current weights (the update's, one behind)."""
+        i, p = self.inputs, self.params
+        tasks = [i.train[k] for k in self.stream.take(p.prompts_per_step)]
+        seeds = [derive_seed(i.seed, step, 1, w) for w in range(p.ray.num_workers)]
+        pending = self.workers.start_rollout(tasks, p.samples_per_prompt, seeds, i.max_turns, i.rollout.max_new_tokens,
+                                             background=True)
+        return step, pending, time.perf_counter()
+
+    def _finish_ahead(self, started: tuple[int, list[Any], float] | None) -> float:
+        """Wait for the rollout started ahead (before the weights change); returns the seconds waited."""
+        if started is None:
+            return 0.0
+        step, pending, began = started
+        waited = time.perf_counter()
+        trajectories, stats = self.workers.finish_rollout(pending)
+        done = time.perf_counter()
+        self.ahead = RolloutAhead(step, trajectories, stats.generated_tokens, done - began)
+        return done - waited
 
     # --- validation, samples, checkpoints -------------------------------------------------------------------
 
@@ -477,7 +529,8 @@ class Trainer:
 
     def _checkpoint(self, step: int) -> None:
         state = {"stream_position": self.stream.position, "seed": self.inputs.seed}
-        ckpt.save_checkpoint(self.out_dir, step, self.learner.save_checkpoint, state, self.params.keep_checkpoints)
+        ckpt.save_checkpoint(self.out_dir, step, self.learner.save_checkpoint, state, self.params.keep_checkpoints,
+                             ahead=self.ahead)
 
     def _due(self, every: int, step: int) -> bool:
         return bool(every) and (step % every == 0 or step == self.params.steps)

@@ -2,8 +2,8 @@
 
 - `RolloutWorker` owns one rollout engine (`loupe.rollout.make_engine`: transformers on CPU, vLLM on GPU) and
   runs the shared multi-turn loop (`loupe.rollout.run_rollouts`) on its share of a step's prompts. Before each
-  rollout it reseeds torch from (seed, step, try, worker), so rollouts are a function of the weights and the
-  seed. After each update its engine receives the learner's weights by broadcast over the weight-sync group
+  rollout it reseeds its engine from (seed, step, try, worker), so rollouts are a function of the weights and
+  the seed. After each update its engine receives the learner's weights by broadcast over the weight-sync group
   (`loupe.rollout.weight_sync`): `WorkerSet.sync_weights` starts the receivers and the learner's send together;
   no tensor passes through the driver or the object store.
 - `RewardPool` scores finished trajectories with `loupe.rewards.score_trajectory` (or a custom function):
@@ -87,9 +87,9 @@ class RolloutWorker:
                 return self.rollout(tasks, samples, seed, max_turns, max_new_tokens)
             finally:
                 self.engine.temperature = trained
-        torch.manual_seed(seed)
         # Engines sample from their own generators (the transformers engine) or per-request seeds derived from
-        # theirs (vLLM): reseeding them makes a step's rollouts depend on (weights, seed) alone.
+        # theirs (vLLM): reseeding them makes a step's rollouts depend on (weights, seed) alone. Torch's global
+        # generator is left alone: an overlapped rollout runs beside the learner, which draws from it.
         self.engine.reseed(seed)
         stats = RolloutStats()
         if not tasks:
@@ -211,12 +211,12 @@ class WorkerSet:
     def _call(self, calls: list[tuple[Any, str, tuple]]) -> list[Any]:
         return self._finish(self._start(calls))
 
-    def _start(self, calls: list[tuple[Any, str, tuple]]) -> list[Any]:
+    def _start(self, calls: list[tuple[Any, str, tuple]], background: bool = False) -> list[Any]:
         """Start the calls without waiting (Ray futures, or threads in-process): the weight sync needs the
-        workers receiving while the learner sends."""
+        workers receiving while the learner sends, and an overlapped rollout (`background`) runs while it updates."""
         if self.use_ray:
             return [getattr(worker, method).remote(*args) for worker, method, args in calls]
-        if len(calls) == 1 and calls[0][1] not in _CONCURRENT:
+        if len(calls) == 1 and calls[0][1] not in _CONCURRENT and not background:
             worker, method, args = calls[0]
             return [_Done(getattr(worker, method)(*args))]
         pool = ThreadPoolExecutor(max_workers=len(calls), thread_name_prefix="rollout-worker")
@@ -236,11 +236,23 @@ class WorkerSet:
         temperature: float | None = None,
     ) -> tuple[list[Trajectory], RolloutStats]:
         """Every task's `samples` trajectories, task order kept; worker i samples with `seeds[i]`."""
+        return self.finish_rollout(self.start_rollout(tasks, samples, seeds, max_turns, max_new_tokens, temperature))
+
+    def start_rollout(
+        self, tasks: list[TaskRecord], samples: int, seeds: list[int], max_turns: int, max_new_tokens: int,
+        temperature: float | None = None, background: bool = False,
+    ) -> list[Any]:
+        """`rollout` started and not waited for; `finish_rollout` collects it. `background`: in-process workers
+        run it in a thread even alone (an overlapped rollout)."""
         shares = split_evenly(tasks, len(self.workers))
-        results = self._call(
+        return self._start(
             [(w, "rollout", (share, samples, seeds[i], max_turns, max_new_tokens, temperature))
-             for i, (w, share) in enumerate(zip(self.workers, shares))]
+             for i, (w, share) in enumerate(zip(self.workers, shares))],
+            background,
         )
+
+    def finish_rollout(self, pending: list[Any]) -> tuple[list[Trajectory], RolloutStats]:
+        results = self._finish(pending)
         trajectories: list[Trajectory] = []
         total = RolloutStats()
         for found, stats in results:
