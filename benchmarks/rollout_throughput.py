@@ -78,14 +78,15 @@ class ScriptedTurns(TransformersEngine):
 
     def __init__(self, *args: Any, max_turns: int, seed: int, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        weights = [k ** -1.5 for k in range(1, max_turns + 1)]
-        self.rng = random.Random(seed)
-        self.turn_counts = [self.rng.choices(range(1, max_turns + 1), weights)[0] for _ in range(100_000)]
+        self.turn_weights = [k ** -1.5 for k in range(1, max_turns + 1)]
+        self.seed = seed
         self.started = 0
 
     def begin(self, system: str, question: str, images: list) -> Any:
         state = super().begin(system, question, images)
-        state.trace.extras["script"] = [self.turn_counts[self.started], 0, self.started]
+        draw = random.Random(f"turns/{self.seed}/{self.started}")
+        turns = draw.choices(range(1, len(self.turn_weights) + 1), self.turn_weights)[0]
+        state.trace.extras["script"] = [turns, 0, self.started]
         self.started += 1
         return state
 

@@ -26,6 +26,8 @@ from loupe.rollout.kv_batch import Batch, DialogueCache, Positions, Row, cache_l
 
 _MARK = "\x00LOUPE\x00"
 _STOP_WINDOW = 16
+_ADMIT_FREE = 0.25
+"""Queued turns join the running batch once this fraction of its slots is free (or it is empty)."""
 """Tokens at the end of a turn decoded to look for a stop string (every stop string is far shorter)."""
 
 
@@ -335,7 +337,7 @@ class TransformersEngine(TokenContextEngine):
         running = len(self._running.rows) if self._running is not None else 0
         free = self.batch_size - running
         finished: list[tuple[int, Generation]] = []
-        if queue and (running == 0 or free >= max(1, self.batch_size // 4)):
+        if queue and (running == 0 or free >= max(1, int(self.batch_size * _ADMIT_FREE))):
             joining = [Row(ticket, state, self.turn_budget(state, budget)) for ticket, state, budget in queue[:free]]
             del queue[:free]
             self._running = merge(self._running, self._prefill(joining))
@@ -360,6 +362,7 @@ class TransformersEngine(TokenContextEngine):
             rows = [Row(start + i, state, self.turn_budget(state, max_new_tokens))
                     for i, state in enumerate(states[start : start + self.batch_size])]
             batch = self._prefill(rows)
+            batch.cache = make_cache(cache_layers(batch.cache))
             while True:
                 for index, row in enumerate(batch.rows):
                     if row.finish and row.ticket not in out:
@@ -402,7 +405,7 @@ class TransformersEngine(TokenContextEngine):
             inputs["image_grid_thw"] = torch.cat(grids).to(self.device)
         with grouped_attention(self.model):
             output = self.model(**inputs, use_cache=True, logits_to_keep=1)
-        batch = Batch(rows, make_cache(cache_layers(output.past_key_values)), mask.to(self.device))
+        batch = Batch(rows, output.past_key_values, mask.to(self.device))
         self._take_sample(batch, output.logits[:, -1])
         return batch
 

@@ -82,12 +82,17 @@ class BufferedLayer(DynamicLayer):
     step's time on the tiny model); here a step writes one column in place and the buffers double when full.
     """
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int | None = None):
+        """`keys`/`values` hold the first `length` columns; given `length`, they are taken as the buffers
+        themselves (spare columns beyond it), otherwise copied into new buffers with room to grow."""
         super().__init__()
         self.lazy_initialization(keys, values)
-        self.length = keys.shape[2]
-        self._keys = self._grown(keys, self.length + _SPARE)
-        self._values = self._grown(values, self.length + _SPARE)
+        if length is None:
+            self.length = keys.shape[2]
+            self._keys = self._grown(keys, self.length + _SPARE)
+            self._values = self._grown(values, self.length + _SPARE)
+        else:
+            self.length, self._keys, self._values = length, keys, values
         self._view()
 
     @staticmethod
@@ -138,9 +143,9 @@ def left_pad(tensor: torch.Tensor, length: int, dim: int) -> torch.Tensor:
 
 
 def merge(first: Batch | None, second: Batch) -> Batch:
-    """One batch of both: the shorter is padded on the left."""
+    """One batch of both, in buffers with room to grow: the shorter is padded on the left."""
     if first is None or not first.rows:
-        return second
+        return Batch(second.rows, make_cache(cache_layers(second.cache)), second.mask)
     length = max(first.mask.shape[1], second.mask.shape[1])
     layers = [
         (torch.cat([left_pad(k1, length, 2), left_pad(k2, length, 2)]), torch.cat([left_pad(v1, length, 2), left_pad(v2, length, 2)]))
@@ -158,8 +163,16 @@ def keep_rows(batch: Batch, keep: list[int]) -> Batch | None:
     mask = batch.mask.index_select(0, index)
     used = mask.any(0).nonzero()
     start = int(used[0]) if len(used) else mask.shape[1]
-    layers = [(k.index_select(0, index)[:, :, start:], v.index_select(0, index)[:, :, start:]) for k, v in cache_layers(batch.cache)]
-    return Batch([batch.rows[i] for i in keep], make_cache(layers), mask[:, start:])
+    cache = DynamicCache()
+    if all(isinstance(layer, BufferedLayer) for layer in batch.cache.layers):
+        # One copy: the kept rows' buffers, spare columns included, from the first column still used.
+        cache.layers = [BufferedLayer(layer._keys[:, :, start:].index_select(0, index),
+                                      layer._values[:, :, start:].index_select(0, index), layer.length - start)
+                        for layer in batch.cache.layers]
+    else:
+        cache = make_cache([(k.index_select(0, index)[:, :, start:], v.index_select(0, index)[:, :, start:])
+                            for k, v in cache_layers(batch.cache)])
+    return Batch([batch.rows[i] for i in keep], cache, mask[:, start:])
 
 
 def row_layers(batch: Batch, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
