@@ -9,7 +9,10 @@ turns), model, tasks and seed:
   trajectory's next turn goes to the engine together (`Engine.generate`: static batches of `--batch-size`, each
   decoded until its longest turn ends, as `model.generate` batches), and the round waits for all of them;
 - `per-traj`: `loupe.rollout.run_rollouts`: each trajectory's next turn is queued as soon as its last one is
-  handled, and rows join and leave the engine's running batch (`--batch-size` slots) at token granularity.
+  handled, and rows join and leave the engine's running batch (`--batch-size` slots) at token granularity;
+- `before` (`--before`, scripted workload): the round-synchronous loop on the engine as it was before issue 16's
+  engine work (`ScriptedRegenerating`: one `model.generate` per static batch over the whole dialogue, every
+  earlier token and image read again each turn): what the per-trajectory loop and its engine replaced.
 
 Two workloads:
 
@@ -47,7 +50,7 @@ from loupe.models import load_model, load_processor
 from loupe.protocol import get_protocol
 from loupe.rollout import RolloutStats, run_rollouts
 from loupe.rollout.engine import Engine, Generation
-from loupe.rollout.hf import TransformersEngine
+from loupe.rollout.hf import TokenContextEngine, TransformersEngine
 from loupe.rollout.loop import Rollout
 from loupe.trajectory import Trajectory
 
@@ -108,6 +111,54 @@ class ScriptedTurns(TransformersEngine):
         return Generation(text=text, finish="stop", num_tokens=generation.num_tokens)
 
 
+class ScriptedRegenerating(ScriptedTurns):
+    """The same script on the engine as it was before issue 16's engine work: each turn one `model.generate`
+    call per static batch over the *whole* dialogue (every earlier token prefilled and every earlier image
+    encoded again), run until the batch's longest turn ends. Kept here only as a baseline."""
+
+    def begin(self, system: str, question: str, images: list) -> Any:
+        state = TokenContextEngine.begin(self, system, question, images)  # no prompt prefill: generate re-reads all
+        draw = random.Random(f"turns/{self.seed}/{self.started}")
+        turns = draw.choices(range(1, len(self.turn_weights) + 1), self.turn_weights)[0]
+        state.trace.extras["script"] = [turns, 0, self.started]
+        self.started += 1
+        return state
+
+    @torch.inference_mode()
+    def generate(self, states: list[Any], max_new_tokens: int) -> list[Generation]:
+        out: list[Generation] = []
+        for start in range(0, len(states), self.batch_size):
+            out += self._generate_whole(states[start : start + self.batch_size], max_new_tokens)
+        return out
+
+    def _generate_whole(self, states: list[Any], max_new_tokens: int) -> list[Generation]:
+        self.model.eval()
+        budgets = [self.turn_budget(state, max_new_tokens) for state in states]
+        width = max(len(s.trace) for s in states)
+        input_ids = torch.full((len(states), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(states), width), dtype=torch.long)
+        for row, state in enumerate(states):
+            ids = state.trace.input_ids
+            input_ids[row, width - len(ids):] = torch.tensor(ids)
+            attention[row, width - len(ids):] = 1
+        inputs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention,
+                                  "pixel_values": torch.cat([p for s in states for p in s.pixel_values]),
+                                  "image_grid_thw": torch.cat([g for s in states for g in s.grid_thw]),
+                                  "mm_token_type_ids": (input_ids == self.image_token_id).long()}
+        sampling: dict[str, Any] = {"do_sample": False}
+        if self.temperature > 0:
+            sampling = {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": 0}
+        result = self.model.generate(**inputs, **sampling, max_new_tokens=max(budgets), eos_token_id=self.end_ids,
+                                     pad_token_id=self.pad_id, suppress_tokens=self.suppressed or None, use_cache=True,
+                                     output_logits=True, return_dict_in_generate=True)
+        new_tokens = result.sequences[:, width:]
+        scale = self.temperature if self.temperature > 0 else 1.0
+        logprobs = torch.stack([step.float().div(scale).log_softmax(-1).gather(1, new_tokens[:, t:t + 1]).squeeze(1)
+                                for t, step in enumerate(result.logits)], dim=1)
+        return [self._record(state, new_tokens[row, :budget].tolist(), logprobs[row, :budget].tolist(), "length")
+                for row, (state, budget) in enumerate(zip(states, budgets))]
+
+
 def measure(label: str, run) -> tuple[float, RolloutStats]:
     stats = RolloutStats()
     started = time.perf_counter()
@@ -131,6 +182,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--before", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time `before`: the round-synchronous loop on the engine as it was (scripted only)")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -161,6 +214,12 @@ def main() -> None:
             run_rollouts(tasks, engine(1), protocol, data, args.samples_per_task, max_new_tokens=args.max_new_tokens,
                          stats=stats)
 
+        def round_sync_before(stats: RolloutStats) -> None:
+            engine = ScriptedRegenerating(model, processor, stop, max_turns=args.max_turns, temperature=args.temperature,
+                                          top_p=1.0, batch_size=args.batch_size, seed=args.seed)
+            round_synchronous_rollouts(tasks, engine, protocol, data, args.samples_per_task,
+                                       max_new_tokens=args.max_new_tokens, stats=stats)
+
         def round_sync(stats: RolloutStats) -> None:
             round_synchronous_rollouts(tasks, engine(args.batch_size), protocol, data, args.samples_per_task,
                                        max_new_tokens=args.max_new_tokens, stats=stats)
@@ -173,6 +232,8 @@ def main() -> None:
               f"{args.batch_size}, turn limit {args.max_turns}, {args.max_new_tokens} new tokens a turn, "
               f"torch threads {torch.get_num_threads()}", flush=True)
         run_rollouts(tasks[:1], engine(1), protocol, data, max_new_tokens=4)  # warm-up: first-call costs
+        if args.before and args.workload == "scripted":
+            before_s, before_stats = measure("before", round_sync_before)
         sequential_s, sequential_stats = measure("sequential", sequential)
         round_s, round_stats = measure("round-sync", round_sync)
         async_s, async_stats = measure("per-traj", per_trajectory)
@@ -183,6 +244,9 @@ def main() -> None:
         fast = rate(async_s, async_stats)
         print(f"per-traj vs round-sync: {fast / rate(round_s, round_stats):.2f}x trajectories/s (target >= 1.5x); "
               f"vs sequential: {fast / rate(sequential_s, sequential_stats):.2f}x (target >= 5x)")
+        if args.before and args.workload == "scripted":
+            print(f"per-traj vs before (round-sync loop on the engine before issue 16's engine work): "
+                  f"{fast / rate(before_s, before_stats):.2f}x")
 
 
 if __name__ == "__main__":
