@@ -161,4 +161,21 @@ def test_fingerprint_follows_dataset_and_model(tmp_path):
     data.write_text("[2]")
     changed_data = runner.fingerprint({"lr": 1}, [data], [image], model)
     (model / "model.safetensors").write_bytes(b"123456")
-    assert len({base, changed_data, runner.fingerprint({"lr": 1}, [data], [image], model)}) == 3
+    resized = runner.fingerprint({"lr": 1}, [data], [image], model)
+    (model / "model.safetensors").write_bytes(b"654321")  # retrained at the same shape: same size, new weights
+    assert len({base, changed_data, resized, runner.fingerprint({"lr": 1}, [data], [image], model)}) == 4
+
+
+def test_fingerprint_sees_weights_changed_far_inside_a_large_file(tmp_path, monkeypatch):
+    """The samples are the start, the middle and the end of each weight file: a change in the middle of a file
+    larger than all three samples together changes the fingerprint, as a retrained model's weights do."""
+    monkeypatch.setattr(runner, "WEIGHT_SAMPLE", 4)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    weights = bytearray(b"a" * 64)
+    (model / "model.safetensors").write_bytes(bytes(weights))
+    before = runner.fingerprint({}, [], [], model)
+    weights[31] = ord("b")
+    (model / "model.safetensors").write_bytes(bytes(weights))
+    assert runner.fingerprint({}, [], [], model) != before

@@ -32,6 +32,8 @@ from typing import Any, BinaryIO
 FINGERPRINT_FILE = "loupe_fingerprint.json"
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
+WEIGHT_SAMPLE = 1 << 20
+"""Bytes of a base model's weight file read at each of its three sampled places (`fingerprint`)."""
 TAIL_BYTES = 64 * 1024
 ANSI = re.compile(rb"\x1b\[[0-9;?]*[A-Za-z]")
 
@@ -202,7 +204,10 @@ def _file_digest(path: Path, hasher: Any) -> None:
 
 def fingerprint(config: dict[str, Any], dataset_files: list[Path], image_files: list[Path], model_dir: Path) -> str:
     """What a training folder was made from: the train config, the dataset's bytes, its images' names and
-    sizes, and the base model's config and weight file sizes (weights are too large to hash every run)."""
+    sizes, and the base model's config and weight files: each one's size and three 1 MiB samples of its bytes
+    (start, middle, end). Hashing a 7B model's 15 GB every run would cost minutes; sizes alone missed a base
+    model retrained at the same shape (new perception pretraining), whose SFT then resumed the old run's
+    finished checkpoints. Retrained weights differ everywhere, so the samples see it."""
     hasher = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
     for path in dataset_files:
         _file_digest(path, hasher)
@@ -212,7 +217,12 @@ def fingerprint(config: dict[str, Any], dataset_files: list[Path], image_files: 
     _file_digest(model_dir / "config.json", hasher)
     for path in sorted(model_dir.iterdir()):
         if path.suffix in WEIGHT_SUFFIXES:
-            hasher.update(f"{path.name}:{path.stat().st_size}\n".encode())
+            size = path.stat().st_size
+            hasher.update(f"{path.name}:{size}\n".encode())
+            with path.open("rb") as f:
+                for offset in sorted({0, max(0, size // 2 - WEIGHT_SAMPLE // 2), max(0, size - WEIGHT_SAMPLE)}):
+                    f.seek(offset)
+                    hasher.update(f.read(WEIGHT_SAMPLE))
     return hasher.hexdigest()
 
 
