@@ -86,7 +86,10 @@ class ScriptedTurns(TransformersEngine):
         self.started = 0
 
     def begin(self, system: str, question: str, images: list) -> Any:
-        state = super().begin(system, question, images)
+        return self._scripted(super().begin(system, question, images))
+
+    def _scripted(self, state: Any) -> Any:
+        """The state with its trajectory's script: [turn count drawn, turns done, trajectory index]."""
         draw = random.Random(f"turns/{self.seed}/{self.started}")
         turns = draw.choices(range(1, len(self.turn_weights) + 1), self.turn_weights)[0]
         state.trace.extras["script"] = [turns, 0, self.started]
@@ -117,12 +120,8 @@ class ScriptedRegenerating(ScriptedTurns):
     encoded again), run until the batch's longest turn ends. Kept here only as a baseline."""
 
     def begin(self, system: str, question: str, images: list) -> Any:
-        state = TokenContextEngine.begin(self, system, question, images)  # no prompt prefill: generate re-reads all
-        draw = random.Random(f"turns/{self.seed}/{self.started}")
-        turns = draw.choices(range(1, len(self.turn_weights) + 1), self.turn_weights)[0]
-        state.trace.extras["script"] = [turns, 0, self.started]
-        self.started += 1
-        return state
+        # No prompt prefill: generate re-reads the whole dialogue anyway.
+        return self._scripted(TokenContextEngine.begin(self, system, question, images))
 
     @torch.inference_mode()
     def generate(self, states: list[Any], max_new_tokens: int) -> list[Generation]:
