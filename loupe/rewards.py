@@ -8,7 +8,9 @@ errors, whether it reasoned in `<think>`) into `RewardParts`; RL sums them into 
   solution; an answer that merely repeats the option list names no letter.
 - **Free-form questions**: `exact_match` after `normalize_answer` (case, punctuation, articles, number words;
   never erasing a whole answer, so "A" matches "A"); when configured, an `LLMJudge` decides the answers exact
-  match could not confirm.
+  match could not confirm; with `free_form_match: math`, `loupe.verifiers.math_equal` compares by value.
+- **Format**: one of three rules (`RewardConfig.format_rule`): Loupe's graded one, R1-V's think-then-answer
+  match, DeepEyes' penalty for a broken turn.
 - **Invalid, never zero**: a judge that still fails after its retries makes the reward *invalid*
   (`valid=False`, `accuracy=None`, `total=None`). Callers drop or retry invalid rewards; scoring an outage as
   a wrong answer would teach the policy (and report in eval) something that never happened.
@@ -43,6 +45,7 @@ from loupe.data.tasks import OPTION_LETTERS, TaskRecord
 from loupe.io import atomic_write_json
 from loupe.protocol import IMAGE_PLACEHOLDER, extract_answer
 from loupe.trajectory import END_REASONS, Trajectory
+from loupe.verifiers import math_equal
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +100,15 @@ class RewardConfig(BaseModel):
     """Subtracted per tool call beyond `free_tool_calls`."""
     free_tool_calls: int = Field(default=0, ge=0)
     """Tool calls that cost nothing before `tool_call_penalty` applies."""
-    free_form_match: Literal["exact", "judge"] = "exact"
-    """Free-form answers: normalised exact match only, or exact match then the LLM judge for the rest."""
+    free_form_match: Literal["exact", "judge", "math"] = "exact"
+    """Free-form answers: normalised exact match only; exact match then the LLM judge for the rest; or `math`,
+    equal by value through math-verify (`\\frac{1}{2}` = 0.5, `\\boxed{60}` = 60), then exact match
+    (`loupe.verifiers.math_equal`: R1-V's, LMM-R1's and Pixel-Reasoner's verifier)."""
+    format_rule: Literal["loupe", "r1v", "easyr1", "deepeyes"] = "loupe"
+    """What the format part measures (see `format_reward`): `loupe` 1 / 0.5 / 0 for a clean answer / one without
+    `<think>` or after format errors / none; `r1v` 1 when the final turn is exactly `<think>…</think>
+    <answer>…</answer>` (R1-V's `format_reward`), else 0; `deepeyes` 0, or -1 after a format error (DeepEyes'
+    `vl_agent.compute_score`)."""
     choice_judge_fallback: bool = False
     """Choice questions: ask the judge when the letter cascade finds no letter (needs `judge`)."""
     judge: JudgeConfig | None = None
@@ -114,8 +124,10 @@ class RewardConfig(BaseModel):
 
     @classmethod
     def deepeyes(cls, **overrides: Any) -> RewardConfig:
-        """DeepEyes' shape: 0.8 accuracy + 0.2 format + 1.2 when the tool was used and the answer is right."""
-        return cls(**{"accuracy_weight": 0.8, "format_weight": 0.2, "tool_bonus": 1.2, **overrides})
+        """DeepEyes' shape: 0.8 accuracy + 0.2 format (0, or -1 after a format error) + 1.2 when the tool was used
+        and the answer is right (DeepEyes `verl/utils/reward_score/vl_agent.py`, `compute_score`)."""
+        return cls(**{"accuracy_weight": 0.8, "format_weight": 0.2, "tool_bonus": 1.2, "format_rule": "deepeyes",
+                      **overrides})
 
 
 # --- choice questions: the letter cascade -------------------------------------------------------------------
@@ -624,18 +636,56 @@ class RewardParts:
     extracted: str | None = None
     """What was compared: the option letter found, or the answer text; None when there was nothing."""
     matched_by: str | None = None
-    """How accuracy was decided: `letter`, `exact`, `judge`, `no_answer`, or `custom`."""
+    """How accuracy was decided: `letter`, `exact`, `math`, `judge`, `no_answer`, or `custom`."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def format_reward(end_reason: str, has_think: bool, num_format_errors: int) -> float:
-    """1.0 for a clean answer; 0.5 for an answer without `<think>` or after format errors; 0.0 for no answer.
+R1V_FORMAT = re.compile(r"<think>.*?</think>\s*<answer>.*?</answer>", re.DOTALL)
+"""R1-V's format: the whole final turn is a think block then an answer block (`src/r1-v/src/open_r1/grpo.py`,
+`format_reward`, applied there with `re.fullmatch` and DOTALL)."""
 
-    A trajectory that did not end by answering (over_turn, format_error, length) earns no format reward: its
-    last turn was not a well-formed answer. Over-turn masking is the learner's business, not this function's.
+EASYR1_FORMAT = re.compile(r"<think>.*</think>.*\\boxed\{.*\}.*", re.DOTALL)
+"""EasyR1's math format, matched after its whitespace normalisation around `<`, `>` and `/`
+(`examples/reward_function/math.py`, `format_reward`)."""
+_EASYR1_SPACES = re.compile(r"\s*(<|>|/)\s*")
+
+DEEPEYES_MAX_ANSWER_CHARS = 1000
+"""DeepEyes scores an answer this long or longer as wrong and a format error (its guard against answers that
+list every option)."""
+
+
+def format_reward(
+    end_reason: str,
+    has_think: bool,
+    num_format_errors: int,
+    rule: str = "loupe",
+    final_text: str | None = None,
+    answer: str | None = None,
+) -> float:
+    """The format part of the reward under `rule` (RewardConfig.format_rule).
+
+    - `loupe`: 1.0 for a clean answer; 0.5 for an answer without `<think>` or after format errors; 0.0 for no
+      answer. A trajectory that did not end by answering (over_turn, format_error, length) earns nothing: its
+      last turn was not a well-formed answer. Over-turn masking is the learner's business, not this function's.
+    - `r1v`: 1.0 when the final assistant turn (`final_text`) full-matches `R1V_FORMAT`, else 0.0.
+    - `easyr1`: 1.0 when the final turn full-matches `EASYR1_FORMAT` after EasyR1's space normalisation.
+    - `deepeyes`: -1.0 after a format error (a malformed turn, a turn cut at the token budget, or an answer of
+      `DEEPEYES_MAX_ANSWER_CHARS` or more), else 0.0. DeepEyes counts unbalanced tags in the whole response;
+      Loupe's parser has already refused such a turn as a format error, so the count is the same signal.
     """
+    if rule == "r1v":
+        return 1.0 if end_reason == "answered" and final_text and R1V_FORMAT.fullmatch(final_text.strip()) else 0.0
+    if rule == "easyr1":
+        normalised = _EASYR1_SPACES.sub(r"\1", final_text or "")
+        return 1.0 if end_reason == "answered" and EASYR1_FORMAT.fullmatch(normalised) else 0.0
+    if rule == "deepeyes":
+        broken = (num_format_errors > 0 or end_reason in ("format_error", "length")
+                  or len(answer or "") >= DEEPEYES_MAX_ANSWER_CHARS)
+        return -1.0 if broken else 0.0
+    if rule != "loupe":
+        raise ValueError(f"unknown format rule {rule!r}; expected loupe, r1v, easyr1 or deepeyes")
     if end_reason != "answered":
         return 0.0
     return 1.0 if has_think and num_format_errors == 0 else 0.5
@@ -665,12 +715,14 @@ def score(
     has_think: bool,
     cfg: RewardConfig,
     judge: LLMJudge | None = None,
+    final_text: str | None = None,
 ) -> RewardParts:
     """Score one finished trajectory.
 
     `answer` is the text inside the final `<answer>…</answer>` (the rollout's `Action.answer`), None when the
     trajectory ended otherwise; `has_think` says whether the model's turns reasoned inside `<think>…</think>`;
-    `num_format_errors` counts turns that came back as error observations. A trajectory that did not answer
+    `num_format_errors` counts turns that came back as error observations; `final_text` is the last assistant
+    turn verbatim (the `r1v` format rule reads it). A trajectory that did not answer
     scores accuracy 0 (valid). Raises ValueError for an unknown end reason, or when `cfg` asks for a judge
     and none is given (configuration mistakes, not runtime trouble).
     """
@@ -682,7 +734,7 @@ def score(
     if wants_judge and judge is None:
         raise ValueError("the reward config asks for an LLM judge but none was given to score()")
 
-    fmt = format_reward(end_reason, has_think, num_format_errors)
+    fmt = format_reward(end_reason, has_think, num_format_errors, cfg.format_rule, final_text, answer)
     extracted: str | None = None
     verdict: JudgeResult | None = None
     if end_reason != "answered" or not (answer or "").strip():
@@ -693,6 +745,9 @@ def score(
         if extracted is None and wants_judge:
             reference = f"({task.solution}) {task.answer_text()}"
             verdict = judge.judge(_judge_question_text(task), reference, answer)  # type: ignore[union-attr]
+    elif cfg.free_form_match == "math":
+        extracted = answer
+        accuracy, matched_by = float(math_equal(answer, task.solution)), "math"
     else:
         extracted = answer
         accuracy, matched_by = float(exact_match(answer, task.solution)), "exact"
@@ -707,6 +762,8 @@ def score(
             )
         accuracy, matched_by = float(verdict.score or 0.0), "judge"
 
+    if cfg.format_rule == "deepeyes" and len(answer or "") >= DEEPEYES_MAX_ANSWER_CHARS:
+        accuracy = 0.0
     tool = tool_reward(accuracy == 1.0, num_tool_calls, cfg)
     total = cfg.accuracy_weight * accuracy + cfg.format_weight * fmt + tool
     return RewardParts(accuracy, fmt, tool, total, True, None, extracted, matched_by)
@@ -714,8 +771,8 @@ def score(
 
 # --- user-supplied reward functions -------------------------------------------------------------------------
 
-SCORE_ARGUMENTS = tuple(inspect.signature(score).parameters)
-"""The keyword arguments a custom reward function is called with (the same as `score`'s)."""
+SCORE_ARGUMENTS = ("task", "answer", "end_reason", "num_tool_calls", "num_format_errors", "has_think", "cfg", "judge")
+"""The keyword arguments a custom reward function is called with (`score`'s, less its optional `final_text`)."""
 
 
 class CustomRewardError(ValueError):
@@ -803,6 +860,7 @@ def score_trajectory(trajectory: Trajectory, cfg: RewardConfig, judge: LLMJudge 
         has_think,
         cfg,
         judge,
+        final_text=assistant[-1] if assistant else None,
     )
     trajectory.rewards = parts.to_dict()
     return parts

@@ -495,9 +495,11 @@ def test_score_choice_with_plain_weights():
 
 def test_score_deepeyes_shape():
     cfg = RewardConfig.deepeyes()
-    assert score(CHOICE, "B", "answered", 2, 0, True, cfg).total == pytest.approx(0.8 + 0.2 + 1.2)
-    assert score(CHOICE, "B", "answered", 0, 0, True, cfg).total == pytest.approx(1.0)  # right, no tool: no bonus
-    assert score(CHOICE, "A", "answered", 2, 0, True, cfg).total == pytest.approx(0.2)  # wrong: no bonus
+    # DeepEyes' format term is 0 for a clean trajectory and -1 after a format error (vl_agent.compute_score)
+    assert score(CHOICE, "B", "answered", 2, 0, True, cfg).total == pytest.approx(0.8 + 1.2)
+    assert score(CHOICE, "B", "answered", 0, 0, True, cfg).total == pytest.approx(0.8)  # right, no tool: no bonus
+    assert score(CHOICE, "A", "answered", 2, 0, True, cfg).total == pytest.approx(0.0)  # wrong: no bonus
+    assert score(CHOICE, "B", "answered", 2, 1, True, cfg).total == pytest.approx(0.8 - 0.2 + 1.2)
 
 
 def test_tool_call_penalty_beyond_free_calls():

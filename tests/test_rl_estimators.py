@@ -20,7 +20,7 @@ from stages.rl.batching import TrainSequence
 from stages.rl.critic import value_loss
 from stages.rl.loss import LossConfig, loss_normaliser, policy_loss
 from stages.rl.params import RLParams
-from stages.rl.shaping import longest_turn, overlong_penalty, token_rewards
+from stages.rl.shaping import curiosity_bonus, longest_turn, overlong_penalty, token_rewards
 from stages.rl.trainer import _trainable
 
 # --- the recipes' defaults ---------------------------------------------------------------------------------
@@ -66,6 +66,44 @@ def test_soft_overlong_punishment_follows_dapo_eq_13():
     with pytest.raises(ValueError):
         overlong_penalty(3, 20, 0)
 
+
+# --- Pixel-Reasoner: curiosity bonus -----------------------------------------------------------------------
+
+
+def test_curiosity_bonus_follows_pixel_reasoners_code():
+    # 8 samples, one with a tool call: RaPR 1/8; bonus 0.5 * (0.3 - 0.125) * 0.25 / 0.125 = 0.175 (the figure its
+    # code pays at nsamples=8); the paper's form without the 1/RaPR factor: 0.5 * 0.175 = 0.0875.
+    calls = [2, 0, 0, 0, 0, 0, 0, 0]
+    assert curiosity_bonus(calls, 0.3, 0.5, 0.25) == pytest.approx([0.175] + [0.0] * 7)
+    assert curiosity_bonus(calls, 0.3, 0.5, 0.0) == pytest.approx([0.0875] + [0.0] * 7)
+    assert curiosity_bonus([1, 1, 1, 0], 0.3, 0.5, 0.25) == [0.0] * 4  # rate 0.75 is above H: nothing
+    assert curiosity_bonus([0, 0], 0.3, 0.5, 0.25) == [0.0, 0.0]
+    assert curiosity_bonus([], 0.3, 0.5, 0.25) == []
+
+
+def test_trainer_adds_the_curiosity_bonus_per_group_to_valid_totals():
+    from types import SimpleNamespace
+
+    from stages.rl.trainer import Trainer
+
+    params = RLParams(curiosity={"enabled": True}, samples_per_prompt=4)
+    group_a = [_trajectory([5], "answered") for _ in range(4)]
+    group_b = [_trajectory([5], "answered") for _ in range(4)]
+    group_a[0].num_tool_calls = 1
+    group_a[1].rewards = {"total": None, "valid": False}
+    group_a[1].num_tool_calls = 1
+    for t in group_b:
+        t.num_tool_calls = 1
+    Trainer._shape(SimpleNamespace(params=params), group_a + group_b, 4)
+    # group a: rate 2/4 = 0.5 > 0.3, so no bonus; make it one in four instead
+    assert [t.rewards["total"] for t in group_a] == [1.0, None, 1.0, 1.0]
+    group_a[1].num_tool_calls = 0
+    group_a[1].rewards = {"total": 0.0, "valid": True}
+    Trainer._shape(SimpleNamespace(params=params), group_a, 4)
+    assert group_a[0].rewards["total"] == pytest.approx(1.0 + 0.5 * 0.05 * 0.25 / 0.25)
+    assert group_a[0].rewards["curiosity"] == pytest.approx(0.025)
+    assert [t.rewards["total"] for t in group_a[1:]] == [0.0, 1.0, 1.0]
+    assert all(t.rewards["total"] == 1.0 for t in group_b)  # everyone zoomed: nothing to encourage
 
 def _trajectory(turn_tokens: list[int], end_reason: str, total: float | None = 1.0) -> Trajectory:
     t = Trajectory(traj_id="t#0", task={"doc_id": "t"}, protocol="mini_o3", system="")

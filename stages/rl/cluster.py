@@ -371,13 +371,16 @@ def absolute_custom_reward(spec: str | None) -> str | None:
 
 
 def absolute_params(params: RLParams) -> RLParams:
-    """`params` with every path an actor reads made absolute: the custom reward's file, the judge's cache and
-    the critic's starting model."""
+    """`params` with every path an actor reads made absolute: the custom reward's file, the judge's and the
+    remote reward model's caches and the critic's starting model."""
     updates: dict[str, Any] = {}
     if params.critic.path:
         updates["critic"] = params.critic.model_copy(update={"path": str(absolute_path(params.critic.path))})
     if params.custom_reward:
         updates["custom_reward"] = absolute_custom_reward(params.custom_reward)
+    remote = params.remote_reward
+    if remote is not None and remote.cache_dir:
+        updates["remote_reward"] = remote.model_copy(update={"cache_dir": str(absolute_path(remote.cache_dir))})
     judge = params.reward.judge
     if judge is not None and judge.cache_dir:
         judge = judge.model_copy(update={"cache_dir": str(absolute_path(judge.cache_dir))})

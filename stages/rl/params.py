@@ -9,6 +9,7 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from loupe.config import Section
+from loupe.remote_reward import RemoteRewardConfig
 from loupe.rewards import RewardConfig
 from stages.rl.estimators import ESTIMATOR_NAMES, recipe
 
@@ -53,6 +54,24 @@ class OverlongParams(Section):
     """The punishment's buffer in tokens; None is a fifth of the per-turn budget (DAPO: 4096 of 20480)."""
     penalty_factor: float = Field(1.0, ge=0)
     """Reward lost at the end of the buffer (DAPO and verl's `overlong_penalty_factor`: 1.0)."""
+
+
+class CuriosityParams(Section):
+    """Pixel-Reasoner's curiosity bonus (arXiv 2505.15966; its code: `curiosity_driven_rl/openrlhf/trainer/
+    ppo_utils/experience_maker.py`, the multi-turn rollout's reward loop): a trajectory that used the tool earns
+    `coef * max(threshold - rate, 0)`, times `rate_scale / rate` when `rate_scale` > 0, where `rate` is the
+    share of its group (the prompt's samples) that used the tool. Pixel-Reasoner's efficiency penalty is the
+    reward's `tool_call_penalty: 0.05` with `free_tool_calls: 1`."""
+
+    enabled: bool = False
+    """Add the bonus to each valid total of a trajectory with a tool call."""
+    threshold: float = Field(0.3, ge=0, le=1)
+    """H: the rate of tool use below which the bonus is paid (Pixel-Reasoner: 0.3)."""
+    coef: float = Field(0.5, ge=0)
+    """alpha, the bonus weight (Pixel-Reasoner: 0.5 on images)."""
+    rate_scale: float = Field(0.25, ge=0)
+    """Pixel-Reasoner's code also multiplies by 0.25 / rate (so rarer tool use earns more); 0 leaves the
+    paper's form, `coef * max(threshold - rate, 0)`."""
 
 
 class CriticParams(Section):
@@ -157,6 +176,8 @@ class RLParams(Section):
     sequence has the same advantage, as here; verl's `compute_policy_loss_gspo` implements this form)."""
     overlong: OverlongParams = OverlongParams()
     """DAPO's overlong filtering and soft punishment."""
+    curiosity: CuriosityParams = CuriosityParams()
+    """Pixel-Reasoner's curiosity bonus for tool use while the group rarely uses the tool."""
     critic: CriticParams = CriticParams()
     """The value model (estimator ppo only)."""
     kl: KLParams = KLParams()
@@ -252,6 +273,11 @@ class RLParams(Section):
     custom_reward: str | None = None
     """A reward function as 'path/to/file.py:function' replacing the built-in score (loupe.rewards'
     load_custom_reward); a function that also takes `trajectory=` receives the whole trajectory."""
+    remote_reward: RemoteRewardConfig | None = None
+    """A reward server in OpenRLHF's `--remote_rm_url` format ({url, name, batch_size, concurrency, timeout_s,
+    max_retries, backoff_s, max_backoff_s, cache_dir}; loupe.remote_reward) whose reward replaces the total
+    above; accuracy and format are still measured by `reward` for the metrics. A sample the server still fails
+    after its retries is invalid and dropped, never scored 0. None: no server."""
     train_split: str = "train"
     """Task file of the --tasks folder to train on (<split>.jsonl)."""
     val_split: str = "val"
@@ -285,6 +311,8 @@ class RLParams(Section):
     def _consistent(self) -> RLParams:
         if self.estimator != "ppo" and "critic" in self.model_fields_set:
             raise ValueError("critic: only estimator ppo trains a value model; remove the critic section or set estimator: ppo")
+        if self.custom_reward and self.remote_reward is not None:
+            raise ValueError("custom_reward, remote_reward: both replace the reward's total; keep one of them")
         if self.clip_high <= 0 and self.clip_low <= 0:
             raise ValueError("clip_low/clip_high: at least one clip range must be positive")
         if self.mini_batches > self.prompts_per_step * self.samples_per_prompt:

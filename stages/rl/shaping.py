@@ -1,5 +1,5 @@
-"""Reward shaping between the reward pool's scores and the advantages: DAPO's soft overlong punishment and the
-per-token rewards PPO's GAE runs over.
+"""Reward shaping between the reward pool's scores and the advantages: DAPO's soft overlong punishment,
+Pixel-Reasoner's curiosity bonus (`curiosity_bonus`) and the per-token rewards PPO's GAE runs over.
 
 Soft overlong punishment (DAPO, arXiv 2503.14476, eq. 13; verl `recipe/dapo/dapo_ray_trainer.py` with
 `verl/workers/reward_manager/dapo.py`, `DAPORewardManager.__call__`, where `overlong_buffer_cfg.len` and
@@ -49,3 +49,22 @@ def token_rewards(reward: float, kl: np.ndarray | None, kl_coef: float, length: 
         out -= kl_coef * np.asarray(kl, dtype=np.float64)
     out[-1] += reward
     return out
+
+
+def curiosity_bonus(group_tool_calls: list[int], threshold: float, coef: float, rate_scale: float) -> list[float]:
+    """Pixel-Reasoner's curiosity bonus for each trajectory of one group, from its tool-call counts.
+
+    rate = share of the group with at least one tool call (its RaPR, counted over every sample as its code
+    does); a trajectory with a call earns `coef * max(threshold - rate, 0)`, times `rate_scale / rate` when
+    `rate_scale` > 0 (`stages.rl.params.CuriosityParams` cites the source). A group that never calls the tool
+    earns nothing: there is no tool use to encourage in it.
+    """
+    if not group_tool_calls:
+        return []
+    rate = sum(calls > 0 for calls in group_tool_calls) / len(group_tool_calls)
+    if rate == 0:
+        return [0.0] * len(group_tool_calls)
+    bonus = coef * max(threshold - rate, 0.0)
+    if rate_scale > 0:
+        bonus *= rate_scale / rate
+    return [bonus if calls > 0 else 0.0 for calls in group_tool_calls]

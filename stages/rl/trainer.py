@@ -49,7 +49,7 @@ from stages.rl.cluster import absolute_params, absolute_path
 from stages.rl.loss import kl_estimate
 from stages.rl.metrics import MetricsLog, rollout_metrics, write_plots
 from stages.rl.params import RLParams
-from stages.rl.shaping import longest_turn, overlong_penalty, token_rewards
+from stages.rl.shaping import curiosity_bonus, longest_turn, overlong_penalty, token_rewards
 
 VAL_SEED_TAG = 1_000_003
 """Mixed into the seed of validation rollouts so they never share a stream with training rollouts."""
@@ -307,7 +307,8 @@ class Trainer:
             if attempt == 1 and self.ahead is not None:
                 if self.ahead.step != step:
                     raise RuntimeError(f"rl: the batch generated ahead is step {self.ahead.step}'s, not step {step}'s")
-                trajectories = self._scored(self.ahead.trajectories, self.ahead.generated_tokens, 0.0, timing)
+                trajectories = self._scored(self.ahead.trajectories, self.ahead.generated_tokens, 0.0, timing,
+                                            p.samples_per_prompt)
                 timing["rollout_ahead"] = self.ahead.seconds
                 self.ahead = None
             else:
@@ -340,22 +341,34 @@ class Trainer:
         started = time.perf_counter()
         trajectories, stats = self.workers.rollout(tasks, samples, seeds, i.max_turns, i.rollout.max_new_tokens,
                                                    temperature)
-        return self._scored(trajectories, stats.generated_tokens, time.perf_counter() - started, timing)
+        return self._scored(trajectories, stats.generated_tokens, time.perf_counter() - started, timing,
+                            samples)
 
     def _scored(self, trajectories: list[Trajectory], generated_tokens: int, rollout_seconds: float,
-                timing: dict[str, float]) -> list[Trajectory]:
+                timing: dict[str, float], group_size: int) -> list[Trajectory]:
         """Score and shape rolled-out trajectories; adds the rollout's time and tokens to `timing`."""
         timing["rollout"] += rollout_seconds
         timing["generated_tokens"] += generated_tokens
         started = time.perf_counter()
         for t, rewards in zip(trajectories, self.reward.score(trajectories)):
             t.rewards = rewards
-        self._shape(trajectories)
+        self._shape(trajectories, group_size)
         timing["reward"] += time.perf_counter() - started
         return trajectories
 
-    def _shape(self, trajectories: list[Trajectory]) -> None:
-        """DAPO's soft overlong punishment, added to each valid total (shaping.overlong_penalty)."""
+    def _shape(self, trajectories: list[Trajectory], group_size: int) -> None:
+        """DAPO's soft overlong punishment and Pixel-Reasoner's curiosity bonus (over groups of `group_size`),
+        added to each valid total (shaping.overlong_penalty, shaping.curiosity_bonus)."""
+        curiosity = self.params.curiosity
+        if curiosity.enabled and group_size > 1:
+            for start in range(0, len(trajectories), group_size):
+                group = trajectories[start : start + group_size]
+                bonuses = curiosity_bonus([t.num_tool_calls for t in group], curiosity.threshold, curiosity.coef,
+                                          curiosity.rate_scale)
+                for t, bonus in zip(group, bonuses):
+                    if t.rewards.get("total") is not None:
+                        t.rewards["curiosity"] = bonus
+                        t.rewards["total"] = float(t.rewards["total"]) + bonus
         overlong = self.params.overlong
         if not overlong.soft_punishment:
             return

@@ -32,6 +32,7 @@ import torch
 
 from loupe.config import ProtocolParams, RolloutParams
 from loupe.data.tasks import TaskRecord
+from loupe.remote_reward import RemoteRewardConfig, RemoteRewardModel, remote_item
 from loupe.rewards import (
     RewardConfig,
     build_judge,
@@ -131,10 +132,12 @@ def _strip(trajectory: Trajectory) -> Trajectory:
 class RewardPool:
     """Scores trajectories: rules inline, LLM-judge calls concurrently (and cached by the judge)."""
 
-    def __init__(self, cfg: RewardConfig, custom_reward: str | None = None, concurrency: int = 8):
+    def __init__(self, cfg: RewardConfig, custom_reward: str | None = None, concurrency: int = 8,
+                 remote: RemoteRewardConfig | None = None):
         require_on_node(reward_paths(custom_reward))
         self.cfg = cfg
         self.judge = build_judge(cfg)
+        self.remote = RemoteRewardModel(remote) if remote is not None else None
         self.concurrency = concurrency
         self.custom = load_custom_reward(custom_reward) if custom_reward else None
         wrapped = getattr(self.custom, "__wrapped__", None)
@@ -166,9 +169,25 @@ class RewardPool:
     def score(self, trajectories: list[Trajectory]) -> list[dict[str, Any]]:
         """Reward parts of each trajectory, in order."""
         if self.judge is None or len(trajectories) <= 1:
-            return [self._score_one(t) for t in trajectories]
-        with ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="reward") as pool:
-            return list(pool.map(self._score_one, trajectories))
+            parts = [self._score_one(t) for t in trajectories]
+        else:
+            with ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="reward") as pool:
+                parts = list(pool.map(self._score_one, trajectories))
+        if self.remote is not None:
+            parts = self._remote_totals(trajectories, parts)
+        return parts
+
+    def _remote_totals(self, trajectories: list[Trajectory], parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The remote reward model's reward as each total; a failed one makes the reward invalid."""
+        scores = self.remote.score_many([remote_item(t) for t in trajectories])  # type: ignore[union-attr]
+        out = []
+        for rule, remote in zip(parts, scores):
+            if remote.valid:
+                out.append({**rule, "total": remote.reward, "rule_total": rule["total"]})
+            else:
+                out.append({**rule, "total": None, "valid": False, "rule_total": rule["total"],
+                            "invalid_reason": f"remote reward failed: {remote.error}"})
+        return out
 
 
 # --- one interface over Ray actors and local objects -------------------------------------------------------
@@ -332,7 +351,7 @@ class RewardService:
     def __init__(self, params: RLParams, use_ray: bool):
         # custom reward and judge cache are absolute already: trainer.read_inputs (cluster.absolute_params)
         custom, reward = params.custom_reward, params.reward
-        args = (reward, custom, params.ray.reward_concurrency)
+        args = (reward, custom, params.ray.reward_concurrency, params.remote_reward)
         self.use_ray = use_ray
         if use_ray:
             import ray

@@ -1,0 +1,80 @@
+"""Math answers judged equal by value, not by spelling: `math_equal("\\frac{1}{2}", "0.5")` is True.
+
+Built on Hugging Face's `math-verify` package (`math_verify.parse` then `math_verify.verify`), the verifier the
+seeds' recipes score with: R1-V (`src/r1-v/src/open_r1/grpo.py`, `accuracy_reward`), LMM-R1's reward server
+(`openrlhf/models/remote_rm/math_verifier.py`, `verify_math`), Pixel-Reasoner and DeepEyes' math scorer. Using
+the same package keeps a recipe's reward what its authors trained with; sympy alone would need a LaTeX parser
+of our own (`\\frac`, `\\sqrt`, `\\boxed`, degrees, units), which is what math-verify already maintains.
+
+How a reference and an answer are read (choices, each after a seed):
+- the reference is parsed as LaTeX and as a plain expression; a bare reference is wrapped in `$...$` first
+  (LMM-R1's `verify_math` does the same: `2\\sqrt{3}` unwrapped parses as `2`);
+- the answer is parsed with math-verify's defaults (boxed content first, then any LaTeX or expression);
+- a reference math-verify cannot parse falls back to normalised exact match (`loupe.rewards.exact_match`).
+  LMM-R1 scores such a sample 1.0 whatever was answered; a reward any answer earns teaches nothing and inflates
+  the curve, so Loupe compares the text instead;
+- R1-V falls back to string equality when verification says no; the same exact match runs here, so a
+  non-numeric answer ("blue") still matches its reference.
+
+math-verify guards its parsing with `signal.alarm`, which only works in a main thread; the reward pool scores
+from threads, so its timeouts are off and inputs are capped at `MAX_ANSWER_CHARS` instead (answers are one
+turn's `<answer>` text; DeepEyes refuses answers of 1,000 characters or more for the same reason).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+MAX_ANSWER_CHARS = 1000
+"""Longer answers or references are compared by exact match only: sympy on adversarial input can run away."""
+
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def strip_answer_tags(text: str) -> str:
+    """The text inside `<answer>…</answer>` when present (R1-V's references are `<answer> 3 </answer>`)."""
+    found = _ANSWER_TAG.search(text)
+    return (found.group(1) if found else text).strip()
+
+
+def _quiet() -> None:
+    """math-verify logs a warning on every call made without a timeout; the reason is given above."""
+    for name in ("math_verify", "math_verify.parser", "math_verify.grader", "math_verify.utils"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def _parse_reference(reference: str) -> list:
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
+
+    text = reference if ("$" in reference or "\\boxed" in reference) else f"${reference}$"
+    parsed = parse(text, extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()],
+                   parsing_timeout=None)
+    if not parsed:  # "$140°$" style references that LaTeX mode refuses: try the text as written
+        parsed = parse(reference, parsing_timeout=None)
+    return parsed
+
+
+def math_equal(answer: str | None, reference: str) -> bool:
+    """Whether `answer` has the value of `reference` (numbers, fractions, radicals, expressions, sets), or,
+    failing that, matches it as text (`loupe.rewards.exact_match`); see the module docstring."""
+    from loupe.rewards import exact_match
+
+    if answer is None or not answer.strip():
+        return False
+    reference = strip_answer_tags(reference)
+    answer = strip_answer_tags(answer)
+    if exact_match(answer, reference):
+        return True
+    if len(answer) > MAX_ANSWER_CHARS or len(reference) > MAX_ANSWER_CHARS:
+        return False
+    from math_verify import parse, verify
+
+    _quiet()
+    gold = _parse_reference(reference)
+    if not gold:
+        return False
+    predicted = parse(answer, parsing_timeout=None)
+    if not predicted:
+        return False
+    return bool(verify(gold, predicted, timeout_seconds=None))
