@@ -268,10 +268,33 @@ class Protocol:
     call_open: ClassVar[str] = ""
     call_close: ClassVar[str] = ""
 
+    template: Any = None
+    """A compiled Jinja prompt template for the question turn (`protocol.prompt_template`), or None."""
+    system_override: str | None = None
+    """A recipe's system prompt in place of the protocol's (`protocol.system_prompt`), or None."""
+
     def system_prompt(self) -> str:
+        """The system prompt every dialogue starts with: the override when set, else the protocol's own."""
+        return self.system_override if self.system_override is not None else self.default_system_prompt()
+
+    def default_system_prompt(self) -> str:
         raise NotImplementedError
 
     def question_text(self, task: TaskRecord) -> str:
+        """The first user turn: the protocol's (`protocol_question_text`), or the prompt template rendered over
+        it; a template that drops or adds image placeholders raises ValueError naming the task."""
+        content = self.protocol_question_text(task)
+        if self.template is None:
+            return content
+        text = self.template.render(content=content, problem=task.problem, options=task.options or [],
+                                    task=task.model_dump(exclude_none=True))
+        if text.count(IMAGE_PLACEHOLDER) != content.count(IMAGE_PLACEHOLDER):
+            raise ValueError(f"task {clip_text(task.doc_id, 80)!r}: the prompt template wrote "
+                             f"{text.count(IMAGE_PLACEHOLDER)} {IMAGE_PLACEHOLDER} placeholders for "
+                             f"{content.count(IMAGE_PLACEHOLDER)} images; render {{{{ content }}}} once")
+        return text
+
+    def protocol_question_text(self, task: TaskRecord) -> str:
         """The first user turn: one image placeholder per task image, the question, the options.
 
         A `problem` that already holds one placeholder per image (Mini-o3's records start with "<image>\n") is
@@ -281,7 +304,7 @@ class Protocol:
         problem = task.problem.strip()
         placeholders = problem.count(IMAGE_PLACEHOLDER)
         if placeholders == 0:
-            lines = [IMAGE_PLACEHOLDER * len(task.images), problem]
+            lines = [IMAGE_PLACEHOLDER * len(task.images), problem] if task.images else [problem]
         elif placeholders == len(task.images):
             lines = [problem]
         else:
@@ -388,7 +411,7 @@ class MiniO3Protocol(Protocol):
     stop = ("</grounding>",)
     call_open, call_close = "<grounding>", "</grounding>"
 
-    def system_prompt(self) -> str:
+    def default_system_prompt(self) -> str:
         return MINI_O3_SYSTEM_PROMPT
 
     def observation_text(self, index: int) -> str:
@@ -435,7 +458,7 @@ class LoupeProtocol(MiniO3Protocol):
 
     name = "loupe"
 
-    def system_prompt(self) -> str:
+    def default_system_prompt(self) -> str:
         return (
             "You answer questions about images. The image you see may be downscaled, so small details can be "
             "unreadable. First reason inside <think> and </think>. Then do exactly one of two things:\n"
@@ -467,7 +490,7 @@ class DeepEyesProtocol(Protocol):
     call_open, call_close = "<tool_call>", "</tool_call>"
     tool_name = "image_zoom_in_tool"
 
-    def system_prompt(self) -> str:
+    def default_system_prompt(self) -> str:
         return (
             "You answer questions about images. Think inside <think> and </think>. To look closer, call "
             f'<tool_call>{{"name": "{self.tool_name}", "arguments": {{"bbox_2d": [x0, y0, x1, y1]}}}}</tool_call>'
@@ -504,7 +527,7 @@ class SingleTurnProtocol(Protocol):
     name = "single_turn"
     multi_turn = False
 
-    def system_prompt(self) -> str:
+    def default_system_prompt(self) -> str:
         return "Think about the question inside <think> and </think>, then give the final answer inside <answer> and </answer>."
 
     def observation_text(self, index: int) -> str:
@@ -516,9 +539,70 @@ class SingleTurnProtocol(Protocol):
         return self._parse_answer_or_nothing(text)
 
 
+def last_boxed(text: str) -> str | None:
+    """The content of the last `\\boxed{…}` with its braces matched, or None (what MathRuler's
+    `extract_boxed_content`, EasyR1's answer reader, takes; it returns the string "None" where this returns None)."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, begin = 0, start + len("\\boxed{")
+    for index in range(begin, len(text)):
+        if text[index] == "{":
+            depth += 1
+        elif text[index] == "}":
+            if depth == 0:
+                return text[begin:index]
+            depth -= 1
+    return None
+
+
+class BoxedProtocol(SingleTurnProtocol):
+    """EasyR1's math answers: think, then the final answer in `\\boxed{}` anywhere after (its
+    `examples/format_prompt/math.jinja` asks for it; `examples/reward_function/math.py` reads the last box)."""
+
+    name = "boxed"
+
+    def default_system_prompt(self) -> str:
+        return "Think about the question inside <think> and </think>, then put the final answer in \\boxed{}."
+
+    def _parse(self, text: str, num_observations: int) -> Action:
+        if "<grounding>" in text or "<tool_call>" in text:
+            raise _Invalid(FormatErrorKind.TOOLS_UNAVAILABLE, "this protocol has no tools; answer directly")
+        answer = last_boxed(text)
+        if answer is None:
+            raise _Invalid(FormatErrorKind.NO_ACTION, "the turn holds no \\boxed{…} answer")
+        if not answer.strip():
+            raise _Invalid(FormatErrorKind.EMPTY_ANSWER, "the answer is empty")
+        return Action(think=extract_think(text), answer=answer.strip())
+
+    def render_answer(self, think: str, answer: str) -> str:
+        return f"<think>{think}</think>\nThe answer is \\boxed{{{answer}}}."
+
+
 PROTOCOLS: dict[str, type[Protocol]] = {
-    cls.name: cls for cls in (MiniO3Protocol, LoupeProtocol, DeepEyesProtocol, SingleTurnProtocol)
+    cls.name: cls for cls in (MiniO3Protocol, LoupeProtocol, DeepEyesProtocol, SingleTurnProtocol, BoxedProtocol)
 }
+
+
+def compile_template(text: str, where: str = "prompt template") -> Any:
+    """A Jinja template (jinja2, as EasyR1 renders its `format_prompt`); undefined variables are errors, and a
+    syntax error raises ValueError naming `where` and the line."""
+    import jinja2
+
+    try:
+        return jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=False).from_string(text)
+    except jinja2.TemplateSyntaxError as err:
+        raise ValueError(f"{where}:{err.lineno}: {err.message}") from None
+
+
+def make_protocol(params: Any) -> Protocol:
+    """The protocol `params` (loupe.config.ProtocolParams) names, with its prompt template and system prompt."""
+    protocol = get_protocol(params.name)
+    if getattr(params, "template_text", None):
+        protocol.template = compile_template(params.template_text, params.prompt_template)
+    if getattr(params, "system_prompt", None) is not None:
+        protocol.system_override = params.system_prompt
+    return protocol
 
 
 def get_protocol(name: str) -> Protocol:

@@ -67,12 +67,27 @@ def test_missing_field_is_named(tmp_path):
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("images", "a.png"), ("problem", 5), ("options", "red"), ("bbox", "0 0 1 1"), ("images", [])],
+    [("images", "a.png"), ("problem", 5), ("options", "red"), ("bbox", "0 0 1 1"), ("images", [5])],
 )
 def test_wrong_type_is_named(tmp_path, field, value):
     path = write_lines(tmp_path / "t.jsonl", [record(**{field: value})])
     message = read_error(path)
     assert f"{path}:1:" in message and f"field '{field}" in message
+
+
+def test_a_text_only_record_reads_and_a_box_needs_an_image(tmp_path):
+    path = write_lines(tmp_path / "t.jsonl", [json.dumps({"doc_id": "m-1", "problem": "What is 3 + 4?",
+                                                          "solution": "7", "images": []}),
+                                              json.dumps({"doc_id": "m-2", "problem": "What is 2 + 2?",
+                                                          "solution": "4"})])
+    tasks = read_tasks(path)
+    assert [t.images for t in tasks] == [[], []]
+    path = write_lines(tmp_path / "b.jsonl", [json.dumps({"doc_id": "m-1", "problem": "Where?", "solution": "7",
+                                                          "bbox": [0.1, 0.1, 0.2, 0.2]})])
+    message = read_error(path)
+    assert f"{path}:1:" in message and "bbox" in message and "text-only" in message
+    path = write_lines(tmp_path / "p.jsonl", [json.dumps({"doc_id": "m-1", "problem": "<image> What?", "solution": "7"})])
+    assert "placeholders for 0 images" in read_error(path)
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,8 @@
 - `zoom` (loupe.data.zoom_tasks, the default): a colour patch legible only in a crop, at a place the question
   names and the overview shows; the tiny model learns it in minutes (docs/learning.md).
 - `synthetic` (loupe.data.synthetic): cluttered visual search over five question kinds, a harder setting.
+- `arithmetic`, `counting`, `geometry` (loupe.data.recipe_tasks): the seeds' recipes' kinds of task (text-only
+  math, CLEVR-like counting, GeoQA-like geometry) for the CPU twins of their presets.
 """
 
 from __future__ import annotations
@@ -12,6 +14,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from loupe.data.recipe_tasks import (
+    ArithmeticConfig,
+    CountingConfig,
+    GeometryConfig,
+    generate_arithmetic_tasks,
+    generate_counting_tasks,
+    generate_geometry_tasks,
+)
 from loupe.data.splits import SplitConfig
 from loupe.data.synthetic import SyntheticConfig, generate_tasks
 from loupe.data.zoom_tasks import ZoomTaskConfig, generate_zoom_tasks
@@ -22,21 +32,30 @@ class DataParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    family: Literal["zoom", "synthetic"] = "zoom"
-    """Task family the data stage writes: zoom (the embedded default) or synthetic (harder)."""
+    family: Literal["zoom", "synthetic", "arithmetic", "counting", "geometry"] = "zoom"
+    """Task family the data stage writes: zoom (the embedded default), synthetic (harder), or one of the
+    recipes' kinds: arithmetic (text-only), counting, geometry."""
     zoom: ZoomTaskConfig = Field(default_factory=ZoomTaskConfig)
     """Knobs of the zoom family (read when `family` is zoom)."""
     synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig)
     """Knobs of the synthetic family (read when `family` is synthetic)."""
+    arithmetic: ArithmeticConfig = Field(default_factory=ArithmeticConfig)
+    """Knobs of the arithmetic family (text-only questions)."""
+    counting: CountingConfig = Field(default_factory=CountingConfig)
+    """Knobs of the counting family."""
+    geometry: GeometryConfig = Field(default_factory=GeometryConfig)
+    """Knobs of the geometry family."""
 
     @property
     def config(self) -> SplitConfig:
         """The chosen family's config."""
-        return self.zoom if self.family == "zoom" else self.synthetic
+        return getattr(self, self.family)
+
+
+_GENERATORS = {"zoom": generate_zoom_tasks, "synthetic": generate_tasks, "arithmetic": generate_arithmetic_tasks,
+               "counting": generate_counting_tasks, "geometry": generate_geometry_tasks}
 
 
 def generate_family(out_dir: Path, params: DataParams, progress: bool = False, workers: int = 1) -> dict[str, Path]:
     """Write the chosen family's splits into `out_dir`; returns {split: jsonl path}."""
-    if params.family == "zoom":
-        return generate_zoom_tasks(out_dir, params.zoom, progress, workers)
-    return generate_tasks(out_dir, params.synthetic, progress, workers)
+    return _GENERATORS[params.family](out_dir, params.config, progress, workers)

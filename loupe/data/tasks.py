@@ -1,6 +1,6 @@
 """Task records: the one question format every stage reads (Mini-o3's fields, JSONL).
 
-A record asks one question about one or more images::
+A record asks one question about one or more images (or none: a text-only question)::
 
     {"doc_id": "synth-train-000001", "images": ["images/000001.png"], "problem": "What colour is ...?",
      "solution": "B", "data_source": "synthetic", "options": ["red", "green", "blue"],
@@ -61,14 +61,16 @@ class TaskRecordError(ValueError):
 
 
 class TaskRecord(BaseModel):
-    """One question about one or more images."""
+    """One question about one or more images, or about none (text-only)."""
 
     model_config = ConfigDict(extra="allow", use_attribute_docstrings=True, frozen=True)
 
     doc_id: str = Field(min_length=1)
     """Unique id of the question within its file."""
-    images: list[str] = Field(min_length=1)
-    """Image paths relative to the base directory; the first is the one the question is about."""
+    images: list[str] = Field(default_factory=list)
+    """Image paths relative to the base directory; the first is the one the question is about. Empty for a
+    text-only question (a math word problem, LMM-R1's FRE stage): the model answers from the text alone, and a
+    tool call has nothing to crop."""
     problem: str = Field(min_length=1)
     """The question as the model reads it (without the option list; the protocol renders options)."""
     solution: str = Field(min_length=1)
@@ -104,6 +106,12 @@ class TaskRecord(BaseModel):
                              "give none (one per image is added) or exactly one per image")
         if any(IMAGE_PLACEHOLDER in option for option in self.options or []):
             raise ValueError(f"options: an option may not hold the image placeholder {IMAGE_PLACEHOLDER}")
+        return self
+
+    @model_validator(mode="after")
+    def _bbox_needs_an_image(self) -> "TaskRecord":
+        if self.bbox is not None and not self.images:
+            raise ValueError("bbox: a text-only task (no images) has no box to hold")
         return self
 
     @model_validator(mode="after")

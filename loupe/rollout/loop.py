@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from loupe.config import ProtocolParams
 from loupe.data.tasks import TaskRecord
-from loupe.protocol import Protocol, get_protocol
+from loupe.protocol import Protocol, make_protocol
 from loupe.rollout.engine import Engine
 from loupe.tools import CropResult, ImageSession, open_image, run_tool, smart_resize
 from loupe.trajectory import Trajectory, Turn
@@ -61,7 +61,7 @@ class Rollout:
                  samples_per_task: int, max_turns: int | None, max_new_tokens: int, progress: bool | str,
                  stats: RolloutStats | None, on_finish: Callable[[Trajectory], None] | None):
         self.tasks, self.engine, self.protocol_params = tasks, engine, protocol_params
-        self.protocol: Protocol = get_protocol(protocol_params.name)
+        self.protocol: Protocol = make_protocol(protocol_params)
         self.turn_limit = max_turns if max_turns is not None else protocol_params.max_turns
         if not self.protocol.multi_turn:
             self.turn_limit = 1
@@ -98,7 +98,9 @@ class Rollout:
                 state = engine.begin(trajectory.system, question, shown)
                 trajectory.prompt_tokens = engine.context_length(state)
                 trajectory.turns[0].num_tokens = trajectory.prompt_tokens
-                item = _Live(trajectory, ImageSession(original=originals[0]), state, protocol_params.format_error_retries)
+                # A text-only task has no original: a crop call gets the tool's "no such source" error back.
+                session = ImageSession(original=originals[0] if originals else None)
+                item = _Live(trajectory, session, state, protocol_params.format_error_retries)
                 if trajectory.prompt_tokens + self.max_new_tokens > protocol_params.max_context_tokens:
                     self._finish(item, "over_turn")
                 else:

@@ -9,6 +9,8 @@ exactly what a model would have produced. Per trajectory it draws a search plan 
 - `wide_then_close`: a wide look around the target, then closer looks (3+ turns);
 - `wrong_then_right`: one or more looks at regions without the target, each noticed and corrected (3+ turns);
 - `observation_zoom`: a wide look, then zooms into the observation rather than the original (3+ turns);
+- `reason`: tasks with no target box but a worked `rationale` (the recipe families: arithmetic, counting,
+  geometry) are answered at once, the rationale as the reasoning (1 turn);
 - `glance`: no zoom: a guess from the downscaled view (1 turn), right only by chance, as a real teacher that
   skips the search sometimes is. Rejection by answer keeps the lucky guesses, so a cold start with glances
   teaches a model that answering at once sometimes pays and zooming pays more: RL's job is to learn the
@@ -35,7 +37,7 @@ from loupe.data.tasks import OPTION_LETTERS, TaskRecord
 from loupe.protocol import ORIGINAL_IMAGE, Protocol, ToolCall
 from loupe.rollout.engine import Engine, Generation
 from stages.synth.params import OracleParams
-from stages.synth.wording import Box, Wording, area_name, fit_sentences
+from stages.synth.wording import Box, Sentence, Wording, area_name, fit_sentences
 
 CHARS_PER_TOKEN = 2.5
 """A conservative characters-per-token estimate (Qwen's tokenizer averages about 4, the tiny model's about 2.9):
@@ -75,6 +77,12 @@ class _OracleState:
     step: int = 0
     observations: int = 0
     failed: bool = False
+
+
+def _rationale(task: TaskRecord) -> str:
+    """A recipe task's worked solution (an extra record field), or '' when it has none."""
+    value = (task.model_extra or {}).get("rationale")
+    return value.strip() if isinstance(value, str) else ""
 
 
 # --- geometry -------------------------------------------------------------------------------------------------
@@ -236,11 +244,12 @@ class OracleEngine(Engine):
         """Every free-form answer of the prepared tasks: what a `glance` guesses among."""
 
     def prepare(self, tasks: list[TaskRecord], samples_per_task: int) -> None:
-        """Announce the tasks the next `run_rollouts` call runs; each needs a target `bbox`."""
+        """Announce the tasks the next `run_rollouts` call runs; each needs a target `bbox`, or a `rationale`
+        (the recipe families' worked solution: loupe.data.recipe_tasks), which it answers with at once."""
         for task in tasks:
-            if task.bbox is None:
+            if task.bbox is None and not _rationale(task):
                 raise OracleError(f"task {task.doc_id}: field 'bbox' is missing; the oracle teacher needs tasks "
-                                  "with a ground-truth target box (synthetic tasks)")
+                                  "with a ground-truth target box (synthetic tasks) or a 'rationale' to answer with")
             if not task.is_choice:
                 self._free_answers.add(task.solution)
             queue = self._expected.setdefault(self.protocol.question_text(task), deque())
@@ -252,7 +261,10 @@ class OracleEngine(Engine):
             raise OracleError(f"the oracle was not prepared for the question {question[:80]!r}")
         task, k = queue.popleft()
         rng = random.Random(f"loupe-oracle/{self.seed}/{task.doc_id}/{k}")
-        plan = draw_plan(tuple(task.bbox), self.params, self.max_turns, rng)  # type: ignore[arg-type]
+        if task.bbox is None:
+            plan = Plan("reason", [])
+        else:
+            plan = draw_plan(tuple(task.bbox), self.params, self.max_turns, rng)
         self.patterns[(task.doc_id, k)] = plan.pattern
         tokens = (len(system) + len(question)) // 3 + 256 * len(images)
         return _OracleState(task, plan, Wording(rng, plain=self.params.plain_wording), tokens)
@@ -281,6 +293,11 @@ class OracleEngine(Engine):
             text = task.options[OPTION_LETTERS.index(answer)] if task.is_choice else answer
             sentences = words.glance(text, answer if task.is_choice else None)
             think = fit_sentences(sentences, budget - len(self.protocol.render_answer("", answer)))
+            return self._emit(state, self.protocol.render_answer(think, answer), "eos", max_new_tokens)
+        if state.plan.pattern == "reason":
+            answer = state.task.solution
+            rationale = _rationale(state.task)
+            think = fit_sentences([Sentence(rationale, rationale)], budget - len(self.protocol.render_answer("", answer)))
             return self._emit(state, self.protocol.render_answer(think, answer), "eos", max_new_tokens)
         if step >= len(looks) or state.failed:
             letter = state.task.solution if state.task.is_choice else None
