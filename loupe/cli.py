@@ -4,6 +4,9 @@
     loupe remote                                     LOUPE_DVC_REMOTE (s3://...) as the default DVC remote
     loupe model tiny --out DIR [--seed N]            build the embedded tiny Qwen2.5-VL offline
     loupe data tasks --out DIR [--params ...]        write the task set params.yaml's `data` section names
+    loupe data import FORMAT --train F [--val F] [--test F] --out DIR
+                                                     a recipe's published data set as a task folder
+                                                     (r1v, r1v_eval, easyr1, lmm_r1: loupe/data/recipe_formats.py)
     loupe view TRAJECTORIES.jsonl --out page.html    a self-contained HTML page of trajectories with crops
     loupe stage NAME [--in-container] ARGS...        one stage, locally or in its image (LOUPE_CONTAINER)
 
@@ -40,6 +43,21 @@ def _cmd_data_tasks(args: argparse.Namespace) -> int:
     for split, path in splits.items():
         print(f"{split}: {path}")
     print(f"{config.family} tasks written in {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+def _cmd_data_import(args: argparse.Namespace) -> int:
+    from loupe.data.recipe_formats import import_tasks
+
+    sources = {split: path for split, path in (("train", args.train), ("val", args.val), ("test", args.test)) if path}
+    if not sources:
+        raise ValueError("data import: give at least one of --train, --val, --test")
+    started = time.perf_counter()
+    written = import_tasks(args.format, sources, args.out, data_source=args.source, limit=args.limit)
+    for split, path in written.items():
+        print(f"{split}: {path}")
+    print(f"{args.format} data imported in {time.perf_counter() - started:.1f} s; point pipeline.tasks (or an eval "
+          f"benchmark's path) at {args.out}")
     return 0
 
 
@@ -145,6 +163,14 @@ def build_parser() -> argparse.ArgumentParser:
     synthetic.add_argument("--out", type=Path, required=True)
     synthetic.add_argument("--params", default="params.yaml")
     synthetic.set_defaults(func=_cmd_data_tasks)
+    imported = data.add_parser("import", help="read a recipe's published data set into a task folder")
+    imported.add_argument("format", choices=["r1v", "r1v_eval", "easyr1", "lmm_r1"])
+    for split in ("train", "val", "test"):
+        imported.add_argument(f"--{split}", type=Path, help=f"the {split} split's file (parquet, JSON or JSONL)")
+    imported.add_argument("--out", type=Path, required=True, help="the task folder to write (replaced whole)")
+    imported.add_argument("--source", help="data_source of the records (default: the format's name)")
+    imported.add_argument("--limit", type=int, help="rows per split at most")
+    imported.set_defaults(func=_cmd_data_import)
 
     view = commands.add_parser("view", help="render trajectories as a self-contained HTML page")
     view.add_argument("trajectories", type=Path)
