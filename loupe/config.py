@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from loupe.tools import PixelBudget
 
@@ -69,6 +69,14 @@ class ProtocolParams(Section):
     """Error observations given back after malformed turns before the trajectory ends as format_error."""
     max_decode_pixels: int = Field(400_000_000, gt=0)
     """Source images larger than this are refused before decoding (decompression-bomb guard)."""
+    prompt_template: str | None = None
+    """A Jinja file that renders the question turn (a recipe's prompt: R1-V's "Output the thinking process in
+    <think> </think> ..." suffix, EasyR1's `format_prompt`); it sees `content` (the question as the protocol
+    writes it, image placeholders and options included: EasyR1's variable), `problem`, `options` and `task`
+    (the record). None: the protocol's own question turn. Read once, when the params are loaded."""
+    system_prompt: str | None = None
+    """Replaces the protocol's system prompt (a recipe's own, e.g. LMM-R1's); None keeps the protocol's."""
+    _template_text: str | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
     def _budget_is_consistent(self) -> "ProtocolParams":
@@ -78,6 +86,26 @@ class ProtocolParams(Section):
         if self.name not in PROTOCOLS:
             raise ValueError(f"name: unknown protocol {self.name!r}; known: {', '.join(sorted(PROTOCOLS))}")
         return self
+
+    @model_validator(mode="after")
+    def _template_is_readable(self) -> "ProtocolParams":
+        if self.prompt_template is None:
+            return self
+        path = Path(self.prompt_template)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as err:
+            raise ValueError(f"prompt_template: cannot read {path}: {err.strerror or err}") from None
+        from loupe.protocol import compile_template
+
+        compile_template(text, str(path))  # a syntax error is named now, not at the first rollout
+        self._template_text = text
+        return self
+
+    @property
+    def template_text(self) -> str | None:
+        """The prompt template's text (read when the params were loaded, so actors need not find the file)."""
+        return self._template_text
 
     @property
     def budget(self) -> PixelBudget:

@@ -38,7 +38,7 @@ from loupe.config import (
 )
 from loupe.data.tasks import TaskRecord, read_tasks
 from loupe.io import atomic_write_json
-from loupe.protocol import Protocol, get_protocol
+from loupe.protocol import Protocol, make_protocol
 from loupe.rewards import build_judge, score_trajectory
 from loupe.rollout import run_rollouts
 from loupe.rollout.openai_engine import EndpointError, UsageCounter
@@ -76,7 +76,7 @@ def synthesize(params_path: Path, tasks: Path | None, out_dir: Path, progress: b
 def _synthesize(seed: int, params: SynthParams, protocol_params: ProtocolParams, rollout: RolloutParams,
                 tasks_path: Path | None, out_dir: Path, progress: bool) -> dict[str, Any]:
     started = time.perf_counter()
-    protocol = get_protocol(protocol_params.name)
+    protocol = make_protocol(protocol_params)
     max_turns = params.max_turns or protocol_params.max_turns
     rules = RejectionRules.from_params(protocol_params, max_turns, params.keep_format_errors, params.require_think,
                                        params.min_tool_calls)
