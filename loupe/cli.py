@@ -1,6 +1,8 @@
 """`loupe`: the project's command line.
 
-    loupe run [--stages NAME ...] [--force]          the pipeline: Prefect flow over dvc.yaml, summary at the end
+    loupe run [--params FILE] [--stages NAME ...] [--force]
+                                                     the pipeline: Prefect flow over dvc.yaml, summary at the end;
+                                                     a recipe's FILE runs in work/runs/<name>/ (docs/recipes.md)
     loupe remote                                     LOUPE_DVC_REMOTE (s3://...) as the default DVC remote
     loupe model tiny --out DIR [--seed N]            build the embedded tiny Qwen2.5-VL offline
     loupe data tasks --out DIR [--params ...]        write the task set params.yaml's `data` section names
@@ -74,12 +76,21 @@ def _cmd_run(args: argparse.Namespace) -> int:
     root = Path.cwd()
     if not (root / "dvc.yaml").is_file():
         raise FileNotFoundError(f"{root}: no dvc.yaml here; run `loupe run` from the repository root")
-    if Path(args.params).resolve() != (root / "params.yaml").resolve():
-        # dvc.yaml's stages read params.yaml (DVC tracks that file); another file would silently not count.
-        raise ParamsError(f"{args.params}: the pipeline reads params.yaml; copy this file over it "
-                          "(e.g. cp params/mini-o3-7b.yaml params.yaml) or use `dvc exp run -S key=value`")
     # The flow and the stages come from this checkout (a clone beside the installed one runs its own code).
     sys.path.insert(0, str(root))
+    from pipelines.params import PipelineParams
+
+    repo = root
+    if Path(args.params).resolve() != (root / "params.yaml").resolve():
+        # Another params file is a recipe: it runs in a DVC workspace of its own, with a dvc.yaml of its shape
+        # (pipelines/workspace.py), so its caches and lock never mix with params.yaml's.
+        from pipelines.workspace import prepare_workspace
+
+        root = prepare_workspace(repo, Path(args.params))
+        print(f"loupe: {args.params} runs in {root.relative_to(repo)}/ (its own dvc.yaml, dvc.lock and work/)")
+    elif not load_section(PipelineParams, "pipeline", root / "params.yaml").default_shape:
+        raise ParamsError("params.yaml: pipeline.sft / pipeline.rl_stages change the stages, and dvc.yaml is written "
+                          "for the default; put the recipe in its own file and run `loupe run --params FILE`")
     # Prefect's records go to work/logs/flow.log (pipelines.flow.log_prefect_to_file); the terminal shows its
     # warnings only. Read by Prefect's logging set-up when it is imported, so set first.
     os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
@@ -87,6 +98,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from pipelines.flow import LOG_DIR, log_prefect_to_file, loupe_pipeline
 
     log_prefect_to_file(root)
+    os.chdir(root)  # DVC and the stages work in the workspace
 
     started = time.perf_counter()
     try:
@@ -143,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     run = commands.add_parser("run", help="run the pipeline (Prefect flow over dvc.yaml) on params.yaml")
-    run.add_argument("--params", default="params.yaml", help="must be the repository's params.yaml (DVC reads it)")
+    run.add_argument("--params", default="params.yaml",
+                     help="params.yaml (the repository's pipeline), or a recipe's file, run in work/runs/<name>/")
     run.add_argument("--stages", nargs="+", help="only these stages (and what they depend on)")
     run.add_argument("--force", action="store_true", help="rerun the stages even when nothing changed")
     run.set_defaults(func=_cmd_run)

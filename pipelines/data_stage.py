@@ -6,6 +6,7 @@ knobs: loupe.data.families) from params.yaml and writes:
     <tiny-model>/             the embedded tiny Qwen2.5-VL (Hugging Face directory; `model.path` points at it
                               by default; a run on a real model still builds it, about a megabyte, in seconds)
     <out>/tasks/              {train,val,test}.jsonl task records and their canvases
+    <out>/tasks_<family>/     the same for each of `data.extra_families` (a two-stage recipe's second data set)
     <out>/metrics.json        tasks per split, kind and difficulty, each split's chance rate (the accuracy of
                               the best answer given without looking); the tiny model's parameter count
     <out>/plots/tasks.json    tasks per category (DVC bar plot data), and plots/tasks.png
@@ -26,7 +27,7 @@ from collections import Counter
 from pathlib import Path
 
 from loupe.config import ModelParams, ParamsError, load_section
-from loupe.data.families import DataParams, generate_family
+from loupe.data.families import DataParams, generate_families
 from loupe.data.tasks import chance_rate, read_tasks
 from loupe.io import atomic_directory, atomic_write_json
 from loupe.tracking import stage_run
@@ -113,7 +114,7 @@ def prepare(params_path: Path, tiny_model: Path, out_dir: Path, progress: bool =
     started = time.perf_counter()
     with stage_run("data", params={"data": data.model_dump(mode="json"), "model": model.model_dump(mode="json")}) as run:
         parameters, perception = build_tiny(tiny_model, model, progress)
-        generate_family(out_dir / "tasks", data, progress=progress, workers=workers)
+        generate_families(out_dir, data, progress=progress, workers=workers)
         metrics, rows = task_metrics(out_dir / "tasks")
         metrics["tiny_model_parameters"] = parameters
         if perception:

@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from loupe.config import Section
+
+
+class RLStageParams(Section):
+    """One RL stage of the pipeline (a recipe may chain two: LMM-R1 trains FRE, then MGT)."""
+
+    name: str = Field("rl", pattern=r"^rl(_[a-z0-9]+)?$")
+    """The stage's name in dvc.yaml and its output folder `work/<name>`; the last stage is `rl`."""
+    section: str | None = None
+    """The params section of its RL settings (an `rl`-shaped section); None: the stage's name."""
+    tasks: str | None = None
+    """Its task folder; None: `pipeline.tasks`."""
+
+    @property
+    def params_section(self) -> str:
+        return self.section or self.name
 
 
 class PipelineParams(Section):
@@ -31,3 +46,25 @@ class PipelineParams(Section):
     push: bool = True
     """`dvc push` the stages' outputs at the end when a default DVC remote is configured (see
     docs/orchestration.md: `loupe remote` sets one from LOUPE_DVC_REMOTE); nothing happens without one."""
+    sft: bool = True
+    """Cold start before RL (the synth and sft stages). False: RL starts from `model.path` (R1-V's recipe), and
+    the eval stage compares the base model with the RL stages' models. A pipeline shape other than the default
+    runs from its own params file (`loupe run --params FILE`), in a workspace of its own (docs/recipes.md)."""
+    rl_stages: list[RLStageParams] = Field(default_factory=lambda: [RLStageParams()])
+    """The RL stages in order, each starting from the one before (the first from the SFT model, or from
+    `model.path` without SFT); the last is `rl`, whose model the eval stage and the registry take."""
+
+    @model_validator(mode="after")
+    def _last_stage_is_rl(self) -> "PipelineParams":
+        names = [stage.name for stage in self.rl_stages]
+        if not names or names[-1] != "rl":
+            raise ValueError("rl_stages: the last RL stage must be named rl (the eval stage and the registry read "
+                             f"work/rl/model); got {names}")
+        if len(set(names)) != len(names):
+            raise ValueError(f"rl_stages: names repeat: {names}")
+        return self
+
+    @property
+    def default_shape(self) -> bool:
+        """Whether the stages are the repository's dvc.yaml as written (synth, sft and one rl stage)."""
+        return self.sft and [s.model_dump() for s in self.rl_stages] == [RLStageParams().model_dump()]

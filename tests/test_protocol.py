@@ -723,7 +723,8 @@ def test_single_turn_parses_an_answer_and_cannot_render_a_call():
 @pytest.mark.parametrize("name", sorted(PROTOCOLS))
 def test_every_variant_has_a_system_prompt_naming_its_answer_tags(name):
     prompt = get_protocol(name).system_prompt()
-    assert "<answer>" in prompt and "<think>" in prompt
+    answer_tag = "\\boxed{}" if name == "boxed" else "<answer>"
+    assert answer_tag in prompt and "<think>" in prompt
 
 
 # --- Mini-o3's own strings ----------------------------------------------------------------------------------

@@ -122,7 +122,7 @@ def test_repository_params_yaml_has_a_valid_sft_section():
 
 
 def test_the_gpu_preset_generates_a_zero3_bf16_config(tmp_path):
-    preset = Path(__file__).parents[1] / "params" / "mini-o3-7b.yaml"
+    preset = Path(__file__).parents[1] / "params" / "mini-o3.yaml"
     params = load_section(SftParams, "sft", preset)
     protocol = load_section(ProtocolParams, "protocol", preset)
     deepspeed = lf.copy_deepspeed(lf.resolve_deepspeed(params.gpu.deepspeed), tmp_path)

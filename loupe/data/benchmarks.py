@@ -38,6 +38,7 @@ import csv
 import io
 import logging
 import math
+import os
 import random
 import re
 import zlib
@@ -658,8 +659,33 @@ def _read_base64_table(name: str, path: Path, cache_dir: Path) -> Benchmark:
     return Benchmark(name, tasks, image_root)
 
 
+def _read_r1v_eval(name: str, path: Path, cache_dir: Path) -> Benchmark:
+    """R1-V's test prompts (`src/eval/prompts/superclevr_test200_counting_problems.jsonl`,
+    `geoqa_test_prompts.jsonl`): JSONL of `image_path` (relative to the file), `question`, `ground_truth`;
+    read by loupe.data.recipe_formats.read_r1v_eval, the same reader `loupe data import r1v_eval` uses."""
+    from loupe.data.recipe_formats import RecipeFormatError, read_r1v_eval
+
+    default = {"superclevr": "superclevr_test200_counting_problems.jsonl", "geoqa": "geoqa_test_prompts.jsonl"}
+    file = _file_in(name, path, (default.get(name, ""),), (".jsonl",))
+    tasks, seen = [], {}
+    try:
+        for index, raw in enumerate(read_r1v_eval(file)):
+            image = Path(os.path.relpath(raw.images[0], file.parent)).as_posix()
+            record = {"doc_id": f"{name}-{index:05d}", "images": [image], "problem": raw.problem,
+                      "solution": raw.solution, "data_source": name}
+            task = _make_task(record, f"{file}:{index + 1}", seen)
+            _check_images(task, file.parent, f"{file}:{index + 1}", "image_path")
+            tasks.append(task)
+    except RecipeFormatError as err:
+        raise BenchmarkFormatError(str(err)) from None
+    return Benchmark(name, tasks, file.parent)
+
+
 BENCHMARKS: dict[str, BenchmarkReader] = {
     "synthetic": _read_synthetic,
+    "tasks": _read_synthetic,
+    "superclevr": _read_r1v_eval,
+    "geoqa": _read_r1v_eval,
     "vstar": _read_vstar,
     "hrbench4k": _read_base64_table,
     "hrbench8k": _read_base64_table,

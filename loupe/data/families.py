@@ -46,6 +46,10 @@ class DataParams(BaseModel):
     geometry: GeometryConfig = Field(default_factory=GeometryConfig)
     """Knobs of the geometry family."""
 
+    extra_families: list[Literal["zoom", "synthetic", "arithmetic", "counting", "geometry"]] = []
+    """More task sets the data stage writes, each in `<out>/tasks_<family>` (a two-stage recipe trains its
+    stages on different data: LMM-R1's text-only FRE, then geometry)."""
+
     @property
     def config(self) -> SplitConfig:
         """The chosen family's config."""
@@ -59,3 +63,14 @@ _GENERATORS = {"zoom": generate_zoom_tasks, "synthetic": generate_tasks, "arithm
 def generate_family(out_dir: Path, params: DataParams, progress: bool = False, workers: int = 1) -> dict[str, Path]:
     """Write the chosen family's splits into `out_dir`; returns {split: jsonl path}."""
     return _GENERATORS[params.family](out_dir, params.config, progress, workers)
+
+
+def generate_families(out_dir: Path, params: DataParams, progress: bool = False, workers: int = 1) -> dict[str, Path]:
+    """The chosen family into `out_dir/tasks` and each extra family into `out_dir/tasks_<family>`;
+    returns {folder name: folder}."""
+    folders = {"tasks": out_dir / "tasks"}
+    generate_family(folders["tasks"], params, progress, workers)
+    for family in params.extra_families:
+        folder = folders[f"tasks_{family}"] = out_dir / f"tasks_{family}"
+        _GENERATORS[family](folder, getattr(params, family), progress, workers)
+    return folders

@@ -12,8 +12,9 @@ class BenchmarkSpec(Section):
     """One benchmark to evaluate, read from a local copy."""
 
     name: str
-    """Benchmark reader (loupe.data.benchmarks.BENCHMARKS): synthetic, vstar, hrbench4k, hrbench8k,
-    visualprobe_easy/medium/hard, mme_realworld_lite."""
+    """Benchmark reader (loupe.data.benchmarks.BENCHMARKS): synthetic (or tasks: any task folder's test.jsonl,
+    e.g. one `loupe data import` wrote), vstar, hrbench4k, hrbench8k, visualprobe_easy/medium/hard,
+    mme_realworld_lite, superclevr and geoqa (R1-V's test prompts)."""
     path: str
     """Local file or folder in the benchmark's published format."""
     limit: int | None = Field(None, ge=1)

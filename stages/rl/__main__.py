@@ -1,6 +1,7 @@
 """Train the policy with GRPO-family RL on multi-turn zoom-in rollouts, on Ray (`python -m stages.rl`).
 
-Reads the `rl` section of params.yaml (plus the shared `seed`, `protocol` and `rollout` sections), starts
+Reads the `rl` section of params.yaml (or the one `--section` names: an earlier RL stage of a two-stage recipe,
+such as LMM-R1's `rl_fre`), plus the shared `seed`, `protocol` and `rollout` sections, starts
 (or joins, with RAY_ADDRESS) Ray, and trains the model in --model on the train split of --tasks. Writes
 into --out:
 
@@ -31,12 +32,12 @@ from stages.rl.trainer import Trainer, read_inputs
 
 
 def train(params_path: Path, model_path: Path, tasks_dir: Path, out_dir: Path, progress: bool = True,
-          use_ray: bool | None = None) -> dict:
+          use_ray: bool | None = None, section: str = "rl") -> dict:
     """Validate the inputs, then train inside the stage's MLflow run; returns what metrics.json holds."""
-    inputs = read_inputs(params_path, model_path, tasks_dir)
+    inputs = read_inputs(params_path, model_path, tasks_dir, section)
     logged = {"rl": inputs.params.model_dump(mode="json"), "model": str(model_path), "tasks": str(tasks_dir),
-              "seed": inputs.seed, "rollout": inputs.rollout.model_dump(mode="json")}
-    with stage_run("rl", params=logged) as run:
+              "seed": inputs.seed, "rollout": inputs.rollout.model_dump(mode="json"), "section": section}
+    with stage_run("rl" if section == "rl" else section, params=logged) as run:
         metrics = Trainer(inputs, out_dir, run, progress=progress, use_ray=use_ray).run_loop()
         run.log_metrics({"final": metrics.get("last", {}), "best_val_accuracy": metrics.get("best_val_accuracy")})
         for artefact in ("metrics.json", "metrics.jsonl", "plots", "viewer.html"):
@@ -64,10 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, required=True, help="Hugging Face model directory to start from")
     parser.add_argument("--tasks", type=Path, required=True, help="task folder holding <split>.jsonl files")
     parser.add_argument("--out", type=Path, required=True, help="output folder (resumes from its checkpoints)")
+    parser.add_argument("--section", default="rl",
+                        help="params section to train with (default: rl; a second RL stage reads its own, e.g. rl_fre)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     try:
-        metrics = train(args.params, args.model, args.tasks, args.out, progress=not args.no_progress)
+        metrics = train(args.params, args.model, args.tasks, args.out, progress=not args.no_progress,
+                        section=args.section)
     except (ParamsError, FileNotFoundError, ValueError) as err:
         print(f"rl: {err}", file=sys.stderr)
         return 2

@@ -110,9 +110,10 @@ class Inputs:
         return self.rollout.max_new_tokens * self.max_turns
 
 
-def read_inputs(params_path: Path, model_path: Path, tasks_dir: Path) -> Inputs:
+def read_inputs(params_path: Path, model_path: Path, tasks_dir: Path, section: str = "rl") -> Inputs:
+    """`section`: the params section of RL settings (`rl`; a pipeline's earlier RL stage reads its own)."""
     seed = load_seed(params_path)
-    params = absolute_params(load_section(RLParams, "rl", params_path))
+    params = absolute_params(load_section(RLParams, section, params_path))
     # Actors run in their node's working directory, not this one: they get absolute paths only.
     model_path, tasks_dir = absolute_path(model_path), absolute_path(tasks_dir)
     protocol = load_section(ProtocolParams, "protocol", params_path)

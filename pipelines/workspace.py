@@ -1,0 +1,175 @@
+"""A recipe's own pipeline: its params file, a dvc.yaml of its shape, and a DVC workspace to run them in.
+
+`loupe run --params params/<recipe>.yaml` runs the recipe in `work/runs/<recipe>/`, a DVC project of its own
+(`dvc init --no-scm`) beside the repository's, so its caches, `dvc.lock`, metrics and MLflow store never mix
+with the default pipeline's, and two recipes can be run, compared and rerun side by side. The workspace holds:
+
+    params.yaml      the recipe's file, merged over its `base` file when it names one (refreshed every run)
+    dvc.yaml         the repository's dvc.yaml reshaped by the file's `pipeline` section (`shaped_stages`)
+    loupe, stages, pipelines, params    links to the repository's code and templates (DVC hashes through them)
+    work/            every output, as in the repository
+
+A recipe file may start from another: `base: params.yaml` at its top takes every value of that file and the
+recipe's own sections are merged over it (mappings key by key, lists and values replaced), so a CPU twin of a
+recipe lists only what the recipe changes on the embedded default. `base` is resolved against the repository.
+
+The shape (`pipeline.sft`, `pipeline.rl_stages`, `data.extra_families`) is applied to the repository's
+dvc.yaml rather than written anew, so every stage keeps its command, dependencies, parameters and outputs and
+the one dvc.yaml stays the reference: without SFT the synth and sft stages go and RL starts from
+`${model.path}`; each earlier RL stage is a copy of `rl` with its own name, section, task folder and output
+folder, started from the model before it; the eval stage compares whatever models the shape makes.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from loupe.config import ParamsError, parse_section, read_params_file
+from loupe.data.families import DataParams
+from loupe.io import atomic_write_text
+from pipelines.params import PipelineParams
+
+LINKS = ("loupe", "stages", "pipelines", "params")
+"""Repository folders a workspace reaches through links: the stages' code and the recipes' templates."""
+RUNS = Path("work") / "runs"
+
+
+def _swap(text: str, old: str, new: str) -> str:
+    if old not in text:
+        raise ValueError(f"dvc.yaml: expected {old!r} in {text!r}; the stage changed shape, update pipelines/workspace.py")
+    return text.replace(old, new)
+
+
+def _rename_paths(items: list[Any], old: str, new: str) -> list[Any]:
+    """Dependencies, outputs, metrics and plots (strings, or one-key mappings) with the prefix `old` renamed."""
+    renamed = []
+    for item in items:
+        if isinstance(item, str):
+            renamed.append(new + item[len(old):] if item.startswith(old) else item)
+        else:
+            renamed.append({(new + k[len(old):] if k.startswith(old) else k): v for k, v in item.items()})
+    return renamed
+
+
+def shaped_stages(spec: dict[str, Any], pipeline: PipelineParams, data: DataParams) -> dict[str, Any]:
+    """The repository's dvc.yaml (`spec`, parsed) reshaped for `pipeline` and `data` (module docstring)."""
+    spec = copy.deepcopy(spec)
+    base = spec["stages"]
+    stages: dict[str, Any] = {"data": base["data"]}
+    stages["data"]["outs"] = list(stages["data"]["outs"]) + [f"work/data/tasks_{f}" for f in data.extra_families]
+    if pipeline.sft:
+        stages["synth"], stages["sft"] = base["synth"], base["sft"]
+    start = "work/sft/model" if pipeline.sft else "${model.path}"
+    models = ["base"] + (["sft"] if pipeline.sft else [])
+    for rl in pipeline.rl_stages:
+        stage = copy.deepcopy(base["rl"])
+        tasks = rl.tasks or "${pipeline.tasks}"
+        cmd = _swap(stage["cmd"], "--model work/sft/model", f"--model {start}")
+        cmd = _swap(cmd, "--tasks ${pipeline.tasks}", f"--tasks {tasks}")
+        cmd = _swap(cmd, "--out work/rl", f"--out work/{rl.name}")
+        if rl.params_section != "rl":
+            cmd += f" --section {rl.params_section}"
+        stage["cmd"] = cmd
+        stage["deps"] = [start if d == "work/sft/model" else tasks if d == "${pipeline.tasks}" else d for d in stage["deps"]]
+        stage["params"] = [rl.params_section if p == "rl" else p for p in stage["params"]]
+        for key in ("outs", "metrics", "plots"):
+            stage[key] = _rename_paths(stage.get(key, []), "work/rl/", f"work/{rl.name}/")
+        if rl.name != "rl" or not pipeline.sft or len(pipeline.rl_stages) > 1:
+            origin = "the SFT model" if start == "work/sft/model" else "model.path" if start == "${model.path}" \
+                else f"{start.split('/')[1]}'s model"
+            stage["desc"] = f"RL stage {rl.name} (params section {rl.params_section}) on {tasks}, from {origin}."
+        stages[rl.name] = stage
+        start = f"work/{rl.name}/model"
+        models.append(rl.name)
+
+    evaluate = base["eval"]
+    cmd = _swap(evaluate["cmd"], "--model sft=work/sft/model --model rl=work/rl/model",
+                " ".join(f"--model {m}=work/{m}/model" for m in models[1:]))
+    evaluate["cmd"] = cmd
+    deps = []
+    for dep in evaluate["deps"]:
+        if dep == "work/sft/model":  # the models' place in the list, kept
+            deps += [f"work/{m}/model" for m in models[1:]]
+        elif dep != "work/rl/model":
+            deps.append(dep)
+    evaluate["deps"] = deps
+    fixed = [o for o in evaluate["outs"] if not (isinstance(o, str) and o.startswith("work/eval/") and
+                                                  o.count("/") == 2)]
+    evaluate["outs"] = [f"work/eval/{m}" for m in models] + fixed
+    stages["eval"] = evaluate
+    spec["stages"] = stages
+    for plot in spec.get("plots", []):
+        for definition in plot.values():
+            for path in list((definition.get("y") or {}).keys()) if isinstance(definition.get("y"), dict) else []:
+                if path == "work/eval/plots/turn_scaling.json":
+                    definition["y"][path] = models
+    return spec
+
+
+def merged(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """`override` over `base`: mappings merged key by key, anything else (values, lists) replaced."""
+    out = dict(base)
+    for key, value in override.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def read_recipe(repo: Path, params_file: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A recipe's params as one mapping: its `base` file's (recursively) with its own merged over them."""
+    data = read_params_file(params_file)
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ParamsError(f"{params_file}: base: must be a params file's path, got {base!r}")
+    base_path = (repo / base).resolve()
+    if base_path in seen or base_path == params_file.resolve():
+        raise ParamsError(f"{params_file}: base: {base} comes back to itself")
+    return merged(read_recipe(repo, base_path, seen + (params_file.resolve(),)), data)
+
+
+def workspace_for(repo: Path, params_file: Path, runs: Path | None = None) -> Path:
+    """The workspace folder of a recipe's params file: work/runs/<file name without its suffix> (or under `runs`)."""
+    return (runs or repo / RUNS) / Path(params_file).stem
+
+
+def prepare_workspace(repo: Path, params_file: Path, runs: Path | None = None) -> Path:
+    """Create or refresh the workspace of `params_file` (module docstring) under `runs` (default
+    `<repo>/work/runs`); returns its folder."""
+    params_file = Path(params_file)
+    if not params_file.is_file():
+        raise FileNotFoundError(f"{params_file}: no such params file")
+    recipe = read_recipe(repo, params_file)
+    pipeline = parse_section(PipelineParams, recipe.get("pipeline"), "pipeline", str(params_file))
+    data = parse_section(DataParams, recipe.get("data"), "data", str(params_file))
+    workspace = workspace_for(repo, params_file, runs)
+    workspace.mkdir(parents=True, exist_ok=True)
+    for name in LINKS:
+        link = workspace / name
+        if not link.is_symlink():
+            if link.exists():
+                raise FileExistsError(f"{link}: expected a link to the repository's {name}/")
+            link.symlink_to(os.path.relpath(repo / name, workspace), target_is_directory=True)
+    target = workspace / "params.yaml"
+    text = (f"# {params_file} as the pipeline reads it (merged over its base file), written by `loupe run`\n"
+            + yaml.safe_dump(recipe, sort_keys=False, width=120))
+    if not target.is_file() or target.read_text(encoding="utf-8") != text:
+        atomic_write_text(target, text)
+    spec = yaml.safe_load((repo / "dvc.yaml").read_text(encoding="utf-8"))
+    header = (f"# Generated by `loupe run --params {params_file}` from the repository's dvc.yaml and that file's "
+              "pipeline section\n# (pipelines/workspace.py); rewritten on every run, so edit those instead.\n")
+    text = header + yaml.safe_dump(shaped_stages(spec, pipeline, data), sort_keys=False, width=120)
+    if not (workspace / "dvc.yaml").is_file() or (workspace / "dvc.yaml").read_text() != text:
+        atomic_write_text(workspace / "dvc.yaml", text)
+    shutil.copyfile(repo / ".dvcignore", workspace / ".dvcignore")
+    if not (workspace / ".dvc").is_dir():
+        subprocess.run([sys.executable, "-m", "dvc", "init", "--no-scm", "-q"], cwd=workspace, check=True)
+    return workspace

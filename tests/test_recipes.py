@@ -1,0 +1,131 @@
+"""The seeds' recipes as presets (params/*.yaml): every preset validates, recipe files merge over their base, and
+`loupe run --params FILE` reshapes dvc.yaml (no SFT, two RL stages in a row) in a DVC workspace of its own."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from loupe.config import ModelParams, ParamsError, ProtocolParams, RolloutParams, parse_section
+from loupe.data.families import DataParams
+from pipelines.params import PipelineParams
+from pipelines.workspace import merged, prepare_workspace, read_recipe, shaped_stages
+from stages.eval.params import EvalParams
+from stages.rl.params import RLParams
+from stages.sft.params import SftParams
+from stages.synth.params import SynthParams
+
+ROOT = Path(__file__).resolve().parents[1]
+PRESETS = sorted(p for p in (ROOT / "params").glob("*.yaml"))
+RECIPES = ("r1-v", "lmm-r1", "easyr1-geo", "deepeyes", "pixel-reasoner", "mini-o3")
+SECTIONS = {"model": ModelParams, "protocol": ProtocolParams, "rollout": RolloutParams, "data": DataParams,
+            "synth": SynthParams, "sft": SftParams, "rl": RLParams, "eval": EvalParams, "pipeline": PipelineParams}
+
+
+def test_every_recipe_has_a_published_preset_and_a_cpu_twin():
+    names = {p.stem for p in PRESETS}
+    for recipe in RECIPES:
+        assert {recipe, f"{recipe}-cpu"} <= names, recipe
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)
+def test_presets_validate_against_every_section(preset, monkeypatch):
+    monkeypatch.chdir(ROOT)  # templates are named relative to the repository, as in a workspace
+    recipe = read_recipe(ROOT, preset)
+    for name, model in SECTIONS.items():
+        parse_section(model, recipe.get(name), name, str(preset))
+    pipeline = parse_section(PipelineParams, recipe.get("pipeline"), "pipeline", str(preset))
+    for stage in pipeline.rl_stages:  # an earlier RL stage reads its own section
+        parse_section(RLParams, recipe.get(stage.params_section), stage.params_section, str(preset))
+    assert not set(recipe) - set(SECTIONS) - {"seed"} - {s.params_section for s in pipeline.rl_stages}, \
+        "a section no stage reads"
+
+
+def test_a_recipe_merges_over_its_base(tmp_path):
+    base = tmp_path / "base.yaml"
+    base.write_text("seed: 3\nrl: {steps: 16, lr: 0.1, reward: {tool_bonus: 0.5, format_weight: 0.0}}\n"
+                    "eval: {benchmarks: [{name: synthetic, path: a}]}\n")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("base: base.yaml\nrl: {steps: 40, reward: {format_weight: 1.0}}\n"
+                      "eval: {benchmarks: [{name: tasks, path: b}]}\n")
+    data = read_recipe(tmp_path, recipe)
+    assert data == {"seed": 3, "rl": {"steps": 40, "lr": 0.1, "reward": {"tool_bonus": 0.5, "format_weight": 1.0}},
+                    "eval": {"benchmarks": [{"name": "tasks", "path": "b"}]}}  # lists replaced, not merged
+    loop = tmp_path / "loop.yaml"
+    loop.write_text("base: loop.yaml\n")
+    with pytest.raises(ParamsError, match="comes back to itself"):
+        read_recipe(tmp_path, loop)
+    assert merged({"a": {"b": 1}}, {"a": 2}) == {"a": 2}
+
+
+SPEC = yaml.safe_load((ROOT / "dvc.yaml").read_text())
+
+
+def test_the_default_shape_is_dvc_yaml_itself():
+    assert shaped_stages(SPEC, PipelineParams(), DataParams()) == SPEC
+    assert PipelineParams().default_shape
+
+
+def test_without_sft_rl_starts_from_the_base_model():
+    spec = shaped_stages(SPEC, PipelineParams(sft=False), DataParams())
+    stages = spec["stages"]
+    assert list(stages) == ["data", "rl", "eval"]
+    assert "--model ${model.path} " in stages["rl"]["cmd"] and "${model.path}" in stages["rl"]["deps"]
+    assert "sft" not in stages["eval"]["cmd"] and "work/sft/model" not in stages["eval"]["deps"]
+    assert "work/eval/sft" not in stages["eval"]["outs"]
+    assert spec["plots"][0]["eval_turn_scaling"]["y"]["work/eval/plots/turn_scaling.json"] == ["base", "rl"]
+
+
+def test_two_rl_stages_chain_with_their_own_data_and_section():
+    pipeline = PipelineParams(rl_stages=[{"name": "rl_fre", "tasks": "work/data/tasks"},
+                                         {"name": "rl", "tasks": "work/data/tasks_geometry"}])
+    stages = shaped_stages(SPEC, pipeline, DataParams(extra_families=["geometry"]))["stages"]
+    assert list(stages) == ["data", "synth", "sft", "rl_fre", "rl", "eval"]
+    fre, mgt = stages["rl_fre"], stages["rl"]
+    assert fre["cmd"].endswith("--model work/sft/model --tasks work/data/tasks --out work/rl_fre --section rl_fre")
+    assert "rl_fre" in fre["params"] and "rl" not in fre["params"]
+    assert "work/rl_fre/model" in fre["outs"] and {"work/rl_fre/checkpoints": {"cache": False}} in fre["outs"]
+    assert "--model work/rl_fre/model --tasks work/data/tasks_geometry --out work/rl" in mgt["cmd"]
+    assert "work/rl_fre/model" in mgt["deps"] and "work/data/tasks_geometry" in mgt["deps"]
+    assert "work/data/tasks_geometry" in stages["data"]["outs"]
+    assert "--model sft=work/sft/model --model rl_fre=work/rl_fre/model --model rl=work/rl/model" in stages["eval"]["cmd"]
+
+
+def test_the_last_rl_stage_is_rl():
+    with pytest.raises(ValueError, match="must be named rl"):
+        PipelineParams(rl_stages=[{"name": "rl"}, {"name": "rl_second"}])
+    with pytest.raises(ValueError):
+        PipelineParams(rl_stages=[{"name": "ppo stage"}, {"name": "rl"}])
+
+
+def test_a_workspace_is_a_dvc_project_of_the_recipes_shape(tmp_path):
+    workspace = prepare_workspace(ROOT, ROOT / "params" / "lmm-r1-cpu.yaml", runs=tmp_path)
+    assert workspace == tmp_path / "lmm-r1-cpu"
+    assert all((workspace / name).is_symlink() for name in ("loupe", "stages", "pipelines", "params"))
+    params = yaml.safe_load((workspace / "params.yaml").read_text())
+    assert params["rl_fre"]["estimator"] == "reinforce_pp" and params["sft"]["learning_rate"] == 0.001  # base's
+    dag = subprocess.run([sys.executable, "-m", "dvc", "dag", "--md"], cwd=workspace, capture_output=True,
+                         text=True, check=True).stdout
+    names = dict(re.findall(r'(node\d+)\["([^"]+)"\]', dag))
+    edges = {(names[a], names[b]) for a, b in re.findall(r"(node\d+)-->(node\d+)", dag)}
+    assert {("synth", "sft"), ("sft", "rl_fre"), ("rl_fre", "rl"), ("data", "rl"), ("rl", "eval"),
+            ("rl_fre", "eval")} <= edges
+    assert ("sft", "rl") not in edges, "the second RL stage starts from the first's model"
+    text = (workspace / "dvc.yaml").read_text()
+    again = prepare_workspace(ROOT, ROOT / "params" / "lmm-r1-cpu.yaml", runs=tmp_path)
+    assert (again / "dvc.yaml").read_text() == text, "refreshing is idempotent"
+
+
+def test_loupe_run_refuses_a_reshaped_params_yaml(tmp_path, monkeypatch, capsys):
+    from loupe.cli import main
+
+    (tmp_path / "dvc.yaml").write_text((ROOT / "dvc.yaml").read_text())
+    (tmp_path / "params.yaml").write_text("pipeline: {sft: false}\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["run"]) == 2
+    assert "loupe run --params FILE" in capsys.readouterr().err

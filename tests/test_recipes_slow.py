@@ -1,0 +1,72 @@
+"""Each recipe's CPU twin end to end (marked slow): `loupe run --params params/<recipe>-cpu.yaml` on a fresh clone
+of this repository, through the Prefect flow, DVC and MLflow, in its own workspace; its RL stages must raise
+their training reward. About 6-12 minutes a recipe on 2 cores (docs/recipes.md has the figures).
+
+    pytest -m slow tests/test_recipes_slow.py -k r1-v -s      # one recipe, with its figures printed
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipelines.dvc_runner import stage_environment
+
+REPO = Path(__file__).resolve().parent.parent
+TWINS = ("r1-v", "lmm-r1", "easyr1-geo", "deepeyes", "pixel-reasoner", "mini-o3")
+
+
+def training_rewards(stage_dir: Path) -> list[float]:
+    rows = [json.loads(line) for line in (stage_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [row["reward/mean"] for row in rows if "reward/mean" in row]
+
+
+def improvement(rewards: list[float]) -> tuple[float, float]:
+    """Mean training reward over the first and the last third of the steps (one step's batch is noisy)."""
+    third = max(1, len(rewards) // 3)
+    return statistics.mean(rewards[:third]), statistics.mean(rewards[-third:])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("recipe", TWINS)
+def test_the_cpu_twin_runs_end_to_end_and_rl_raises_its_reward(recipe, tmp_path):
+    clone = tmp_path / "loupe"
+    subprocess.run(["git", "clone", "-q", "--no-hardlinks", str(REPO), str(clone)], check=True)
+    env = stage_environment({**os.environ, "LOUPE_TRACKING": "on",
+                             "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    env.pop("LOUPE_PARENT_RUN_ID", None)
+    started = time.perf_counter()
+    run = subprocess.run([sys.executable, "-m", "loupe.cli", "run", "--params", f"params/{recipe}-cpu.yaml"],
+                         cwd=clone, env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - started
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    work = clone / "work" / "runs" / f"{recipe}-cpu" / "work"
+    stages = sorted(p.parent.name for p in work.glob("rl*/metrics.jsonl"))
+    assert "rl" in stages
+    figures = {"seconds": round(seconds), "stages": {}}
+    for stage in stages:
+        first, last = improvement(training_rewards(work / stage))
+        figures["stages"][stage] = {"reward_first_third": round(first, 3), "reward_last_third": round(last, 3)}
+        assert last > first, f"{recipe} {stage}: training reward {first:.3f} -> {last:.3f}"
+    evaluation = json.loads((work / "eval" / "metrics.json").read_text())
+    figures["eval"] = {k: v for k, v in _flatten(evaluation).items() if k.endswith(".accuracy")}
+    assert figures["eval"], evaluation
+    print(f"\n{recipe}-cpu: {json.dumps(figures)}")
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
