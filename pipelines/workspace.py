@@ -100,7 +100,7 @@ def shaped_stages(spec: dict[str, Any], pipeline: PipelineParams, data: DataPara
             deps += [f"work/{m}/model" for m in models[1:]]
         elif dep != "work/rl/model":
             deps.append(dep)
-    evaluate["deps"] = deps
+    evaluate["deps"] = deps + [f"work/data/tasks_{f}" for f in data.extra_families]
     fixed = [o for o in evaluate["outs"] if not (isinstance(o, str) and o.startswith("work/eval/") and
                                                   o.count("/") == 2)]
     evaluate["outs"] = [f"work/eval/{m}" for m in models] + fixed

@@ -159,3 +159,15 @@ def test_a_text_only_task_asks_for_a_crop_in_vain(tmp_path):
     assert trajectory.end_reason == "answered" and trajectory.images == []
     assert trajectory.turns[2].role == "user" and trajectory.turns[2].images == []
     assert "original_image" in trajectory.turns[2].text or trajectory.turns[2].error
+
+
+def test_a_mixed_set_holds_each_family_with_its_images(tmp_path):
+    params = DataParams(family="mixed", mixed=["arithmetic", "counting"], arithmetic={"train": 3, "val": 1, "test": 1},
+                        counting={"train": 2, "val": 1, "test": 1})
+    out = generate_family(tmp_path / "tasks", params)
+    train = read_tasks(out["train"], check_images=True)  # every image path resolves inside the folder
+    assert [t.data_source for t in train] == ["arithmetic", "counting", "arithmetic", "counting", "arithmetic"]
+    assert train[1].images == ["images/counting/train/000000.png"]
+    alone = read_tasks(generate_family(tmp_path / "counting", DataParams(family="counting", counting={
+        "train": 2, "val": 1, "test": 1}))["train"])
+    assert train[1].problem == alone[0].problem and train[1].solution == alone[0].solution

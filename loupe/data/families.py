@@ -9,6 +9,9 @@
 
 from __future__ import annotations
 
+import itertools
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Literal
 
@@ -22,7 +25,9 @@ from loupe.data.recipe_tasks import (
     generate_counting_tasks,
     generate_geometry_tasks,
 )
-from loupe.data.splits import SplitConfig
+from loupe.data.splits import SPLITS, SplitConfig, check_replaceable
+from loupe.data.tasks import read_tasks, write_tasks
+from loupe.io import atomic_directory
 from loupe.data.synthetic import SyntheticConfig, generate_tasks
 from loupe.data.zoom_tasks import ZoomTaskConfig, generate_zoom_tasks
 
@@ -32,9 +37,12 @@ class DataParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    family: Literal["zoom", "synthetic", "arithmetic", "counting", "geometry"] = "zoom"
-    """Task family the data stage writes: zoom (the embedded default), synthetic (harder), or one of the
-    recipes' kinds: arithmetic (text-only), counting, geometry."""
+    family: Literal["zoom", "synthetic", "arithmetic", "counting", "geometry", "mixed"] = "zoom"
+    """Task family the data stage writes: zoom (the embedded default), synthetic (harder), one of the recipes'
+    kinds: arithmetic (text-only), counting, geometry; or mixed: the families `mixed` lists, together."""
+    mixed: list[Literal["zoom", "synthetic", "arithmetic", "counting", "geometry"]] = ["arithmetic", "geometry"]
+    """The families a `mixed` task set holds, each with its own knobs (a cold start that covers a two-stage
+    recipe's kinds of task); records interleaved, each family's images under images/<family>/."""
     zoom: ZoomTaskConfig = Field(default_factory=ZoomTaskConfig)
     """Knobs of the zoom family (read when `family` is zoom)."""
     synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig)
@@ -52,8 +60,8 @@ class DataParams(BaseModel):
 
     @property
     def config(self) -> SplitConfig:
-        """The chosen family's config."""
-        return getattr(self, self.family)
+        """The chosen family's config (a mixed set's first family's)."""
+        return getattr(self, self.mixed[0] if self.family == "mixed" else self.family)
 
 
 _GENERATORS = {"zoom": generate_zoom_tasks, "synthetic": generate_tasks, "arithmetic": generate_arithmetic_tasks,
@@ -62,7 +70,29 @@ _GENERATORS = {"zoom": generate_zoom_tasks, "synthetic": generate_tasks, "arithm
 
 def generate_family(out_dir: Path, params: DataParams, progress: bool = False, workers: int = 1) -> dict[str, Path]:
     """Write the chosen family's splits into `out_dir`; returns {split: jsonl path}."""
+    if params.family == "mixed":
+        return generate_mixed(out_dir, params, progress, workers)
     return _GENERATORS[params.family](out_dir, params.config, progress, workers)
+
+
+def generate_mixed(out_dir: Path, params: DataParams, progress: bool = False, workers: int = 1) -> dict[str, Path]:
+    """The families of `params.mixed` in one task folder: each drawn with its own knobs into a scratch folder,
+    its image paths moved under images/<family>/, the records of every split interleaved family by family."""
+    check_replaceable(out_dir)
+    with tempfile.TemporaryDirectory(dir=out_dir.parent if out_dir.parent.exists() else None) as scratch, \
+            atomic_directory(out_dir) as tmp:
+        parts = {}
+        for family in dict.fromkeys(params.mixed):
+            parts[family] = _GENERATORS[family](Path(scratch) / family, getattr(params, family), progress, workers)
+            (tmp / "images").mkdir(exist_ok=True)
+            shutil.move(str(Path(scratch) / family / "images"), str(tmp / "images" / family))
+        for split in SPLITS:
+            streams = [[r.model_copy(update={"images": [f"images/{family}/{i.removeprefix('images/')}"
+                                                        for i in r.images]})
+                        for r in read_tasks(paths[split])] for family, paths in parts.items()]
+            interleaved = [r for group in itertools.zip_longest(*streams) for r in group if r is not None]
+            write_tasks(interleaved, tmp / f"{split}.jsonl")
+    return {split: out_dir / f"{split}.jsonl" for split in SPLITS}
 
 
 def generate_families(out_dir: Path, params: DataParams, progress: bool = False, workers: int = 1) -> dict[str, Path]:
