@@ -267,6 +267,8 @@ class Protocol:
     """Strings that end generation (kept in the output): a tool call's closing tag."""
     call_open: ClassVar[str] = ""
     call_close: ClassVar[str] = ""
+    absolute_boxes: ClassVar[bool] = False
+    """Whether a call's box is in pixels of the original image (DeepEyes) rather than relative to its source."""
 
     template: Any = None
     """A compiled Jinja prompt template for the question turn (`protocol.prompt_template`), or None."""
@@ -489,6 +491,7 @@ class DeepEyesProtocol(Protocol):
     stop = ("</tool_call>",)
     call_open, call_close = "<tool_call>", "</tool_call>"
     tool_name = "image_zoom_in_tool"
+    absolute_boxes = True
 
     def default_system_prompt(self) -> str:
         return (

@@ -171,3 +171,28 @@ def test_a_task_without_a_target_box_is_refused_by_name(tasks):
         engine.prepare([bare], 1)
     with pytest.raises(OracleError, match="not prepared"):
         engine.begin("system", "a question nobody announced", [])
+
+
+def test_with_deepeyes_boxes_the_oracle_calls_in_pixels_of_the_original(tasks, synth_tasks_dir):  # noqa: F811
+    protocol = get_protocol("deepeyes")
+    engine = OracleEngine(OracleParams(), protocol, seed=0, max_turns=6)
+    engine.prepare(tasks, 2, synth_tasks_dir)
+    trajectories = run_rollouts(tasks, engine, ProtocolParams(name="deepeyes"), synth_tasks_dir, samples_per_task=2,
+                                max_new_tokens=96)
+    zoomed = 0
+    for trajectory in trajectories:
+        assert trajectory.end_reason == "answered" and trajectory.num_format_errors == 0, trajectory.traj_id
+        assert score_trajectory(trajectory, RewardConfig()).accuracy == 1.0
+        width, height = trajectory.load_image(0).size
+        bx0, by0, bx1, by1 = trajectory.task["bbox"]
+        for turn in trajectory.turns:
+            if turn.crop is not None:  # the last crop, in pixels of the original, holds the target
+                zoomed += 1
+                region = turn.crop["region_px"]
+        if trajectory.num_tool_calls:
+            assert contains(region, (bx0 * width, by0 * height, bx1 * width, by1 * height), slack=2.0)
+    assert zoomed >= len(trajectories) // 2
+    with pytest.raises(OracleError, match="image_root"):
+        bare = OracleEngine(OracleParams(patterns={"direct": 1.0}), protocol, seed=0, max_turns=6)
+        bare.prepare(tasks[:1], 1)
+        bare.begin("s", protocol.question_text(tasks[0]), [])

@@ -182,7 +182,7 @@ def _rollout_shards(seed: int, params: SynthParams, protocol: Protocol, protocol
         for index in todo:
             chunk = chunks[index]
             if params.teacher == "oracle":
-                engine.prepare(chunk, samples)
+                engine.prepare(chunk, samples, image_root)
             trajectories = run_rollouts(chunk, engine, protocol_params, image_root, samples_per_task=samples,
                                         max_turns=rules.max_turns, max_new_tokens=max_new_tokens)
             for trajectory in trajectories:

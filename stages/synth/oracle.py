@@ -30,6 +30,7 @@ import math
 import random
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 
 from PIL import Image
 
@@ -77,6 +78,8 @@ class _OracleState:
     step: int = 0
     observations: int = 0
     failed: bool = False
+    original_size: tuple[int, int] | None = None
+    """The original image's width and height, when the protocol's boxes are in its pixels (deepeyes)."""
 
 
 def _rationale(task: TaskRecord) -> str:
@@ -232,6 +235,7 @@ class OracleEngine(Engine):
     name = "oracle"
 
     def __init__(self, params: OracleParams, protocol: Protocol, seed: int, max_turns: int, batch_size: int = 1024):
+        self.image_root: Path | None = None
         self.params = params
         self.protocol = protocol
         self.seed = seed
@@ -243,9 +247,11 @@ class OracleEngine(Engine):
         self._free_answers: set[str] = set()
         """Every free-form answer of the prepared tasks: what a `glance` guesses among."""
 
-    def prepare(self, tasks: list[TaskRecord], samples_per_task: int) -> None:
+    def prepare(self, tasks: list[TaskRecord], samples_per_task: int, image_root: Path | None = None) -> None:
         """Announce the tasks the next `run_rollouts` call runs; each needs a target `bbox`, or a `rationale`
-        (the recipe families' worked solution: loupe.data.recipe_tasks), which it answers with at once."""
+        (the recipe families' worked solution: loupe.data.recipe_tasks), which it answers with at once.
+        `image_root` (the tasks' folder) is needed when the protocol's boxes are in pixels of the original."""
+        self.image_root = image_root
         for task in tasks:
             if task.bbox is None and not _rationale(task):
                 raise OracleError(f"task {task.doc_id}: field 'bbox' is missing; the oracle teacher needs tasks "
@@ -267,7 +273,14 @@ class OracleEngine(Engine):
             plan = draw_plan(tuple(task.bbox), self.params, self.max_turns, rng)
         self.patterns[(task.doc_id, k)] = plan.pattern
         tokens = (len(system) + len(question)) // 3 + 256 * len(images)
-        return _OracleState(task, plan, Wording(rng, plain=self.params.plain_wording), tokens)
+        size = None
+        if self.protocol.absolute_boxes and plan.looks:
+            if self.image_root is None:
+                raise OracleError(f"the {self.protocol.name} protocol's boxes are in pixels: prepare() needs the "
+                                  "tasks' image_root to read the original's size")
+            with Image.open(self.image_root / task.images[0]) as original:  # reads the header only
+                size = original.size
+        return _OracleState(task, plan, Wording(rng, plain=self.params.plain_wording), tokens, original_size=size)
 
     def add_user_turn(self, state: _OracleState, text: str, images: list[Image.Image]) -> None:
         if images:
@@ -319,6 +332,11 @@ class OracleEngine(Engine):
                 sentences = words.after_spot(n, in_view, look.source or None)
         source = ORIGINAL_IMAGE if look.source == 0 else f"observation_{look.source}"
         call = ToolCall("crop", {"bbox_2d": list(look.box), "source": source})
+        if state.original_size is not None:  # pixels of the original: the region the look shows, scaled
+            width, height = state.original_size
+            x0, y0, x1, y1 = look.region
+            call = ToolCall("crop", {"bbox_2d": [x0 * width, y0 * height, x1 * width, y1 * height],
+                                     "source": ORIGINAL_IMAGE})
         think = fit_sentences(sentences, budget - len(self.protocol.render_call("", call)))
         return self._emit(state, self.protocol.render_call(think, call), "stop", max_new_tokens)
 
