@@ -110,8 +110,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
     print(f"\n{len(rows)} stages in {time.perf_counter() - started:.0f} s; ran: {', '.join(ran) or 'none'}")
     print("Look further:")
     print("  dvc metrics show                 every stage's metrics (dvc plots show: the curves, as HTML)")
-    print("  make ui                          the MLflow UI on work/mlflow.db: the pipeline run and one child")
-    print("                                   run per stage, with lineage tags, data sets and artefacts")
+    if root == repo:
+        print("  make ui                          the MLflow UI on work/mlflow.db: the pipeline run and one child")
+        print("                                   run per stage, with lineage tags, data sets and artefacts")
+    else:
+        where = root.relative_to(repo)
+        print(f"  (in {where}/ for the two lines above and below: its own dvc.yaml, dvc.lock and work/)")
+        print(f"  make ui WORK={where}/work       the MLflow UI on this recipe's runs")
     logs = sorted((root / LOG_DIR).glob("*.log"))
     if logs:
         print(f"  {f'{LOG_DIR}/<stage>.log':<32} everything each stage printed (LLaMA-Factory's, Ray's and DVC's")

@@ -126,3 +126,13 @@ def test_bad_rows_name_file_row_and_field(tmp_path, row, message):
         import_tasks("lmm_r1", {"train": source}, tmp_path / "tasks")
     assert str(err.value).startswith(f"{source}:2: ")
     assert not (tmp_path / "tasks").exists(), "nothing half-written"
+
+
+def test_loupe_data_import_command(tmp_path, capsys):
+    from loupe.cli import main
+
+    assert main(["data", "import", "lmm_r1", "--train", str(FIXTURES / "lmm_r1" / "test_message.jsonl"),
+                 "--out", str(tmp_path / "tasks"), "--limit", "1"]) == 0
+    assert len(read_tasks(tmp_path / "tasks" / "train.jsonl")) == 1
+    assert main(["data", "import", "r1v", "--out", str(tmp_path / "none")]) == 2
+    assert "at least one of --train" in capsys.readouterr().err
