@@ -116,11 +116,17 @@ observation action crop view whole scene background foreground count total left 
 )
 
 
+CORPUS_PROTOCOLS = ("deepeyes", "loupe", "mini_o3", "single_turn")
+"""The protocols whose texts train the tokenizer: a fixed list, not every registered protocol, so adding one
+(the `boxed` protocol of EasyR1's recipe) changes neither the embedded model nor its measured learning curve
+(docs/learning.md). `boxed` speaks single_turn's words plus `\\boxed{}`, which byte-level BPE spells anyway."""
+
+
 def _protocol_texts(rng: random.Random) -> Iterator[str]:
     """Everything the protocols say or expect: prompts, observation and error turns, rendered calls/answers."""
-    from loupe.protocol import PROTOCOLS, FormatError, FormatErrorKind, ToolCall, get_protocol
+    from loupe.protocol import FormatError, FormatErrorKind, ToolCall, get_protocol
 
-    for name in sorted(PROTOCOLS):
+    for name in CORPUS_PROTOCOLS:
         protocol = get_protocol(name)
         yield protocol.system_prompt()
         if protocol.multi_turn:
