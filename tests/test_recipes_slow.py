@@ -40,9 +40,11 @@ def improvement(rewards: list[float]) -> tuple[float, float]:
 def test_the_cpu_twin_runs_end_to_end_and_rl_raises_its_reward(recipe, tmp_path):
     clone = tmp_path / "loupe"
     subprocess.run(["git", "clone", "-q", "--no-hardlinks", str(REPO), str(clone)], check=True)
-    env = stage_environment({**os.environ, "LOUPE_TRACKING": "on",
+    # The clone's code, not the checkout the virtual environment's editable install points at.
+    env = stage_environment({**os.environ, "LOUPE_TRACKING": "on", "PYTHONPATH": str(clone),
                              "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
     env.pop("LOUPE_PARENT_RUN_ID", None)
+    env.pop("MLFLOW_TRACKING_URI", None)  # the clone's workspace keeps its own store
     started = time.perf_counter()
     run = subprocess.run([sys.executable, "-m", "loupe.cli", "run", "--params", f"params/{recipe}-cpu.yaml"],
                          cwd=clone, env=env, capture_output=True, text=True)
