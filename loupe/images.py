@@ -77,6 +77,19 @@ class ImageError(ValueError):
     """A source image that cannot be used; the message names the file."""
 
 
+def image_cell(value: object) -> bytes | str | None:
+    """One image cell of a published data set, unpacked: the encoded bytes it embeds, else the path it names,
+    else None. A cell is the `datasets` library's Image struct (`{"bytes": ..., "path": ...}`, what parquet files
+    on the hub hold: bytes first, the path only when no bytes were stored), raw bytes, or a path string."""
+    if isinstance(value, dict):
+        if value.get("bytes"):
+            return bytes(value["bytes"])
+        value = value.get("path")
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value)
+    return value if isinstance(value, str) and value else None
+
+
 def is_image_name(path: str | Path) -> bool:
     """Whether the file name ends in one of IMAGE_SUFFIXES (case-insensitive)."""
     return Path(path).suffix.lower() in IMAGE_SUFFIXES

@@ -39,6 +39,7 @@ from typing import Any, Literal
 from PIL import Image
 
 from loupe.data.tasks import IMAGE_PLACEHOLDER, TaskRecord, TaskRecordError, write_tasks
+from loupe.images import image_cell
 from loupe.io import atomic_directory
 
 RecipeFormat = Literal["r1v", "r1v_eval", "easyr1", "lmm_r1"]
@@ -96,14 +97,11 @@ def _field(path: Path, number: int, row: dict[str, Any], name: str, kinds: tuple
 
 
 def _image(path: Path, number: int, name: str, value: Any) -> bytes | Path:
-    """An image cell: the `datasets` Image struct ({bytes, path}), raw bytes, or a path (relative to the file)."""
-    if isinstance(value, dict):
-        if value.get("bytes"):
-            return bytes(value["bytes"])
-        value = value.get("path")
-    if isinstance(value, (bytes, bytearray)):
-        return bytes(value)
-    if isinstance(value, str) and value:
+    """An image cell (`loupe.images.image_cell`): its bytes, or the file its path names (relative to the file)."""
+    value = image_cell(value)
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
         return _local_path(path, number, name, value)
     raise RecipeFormatError(f"{path}:{number}: field {name!r} holds no image (neither bytes nor a path)")
 

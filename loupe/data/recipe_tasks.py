@@ -21,6 +21,8 @@ like the zoom and synthetic families, and `generate_*` writes the same folder la
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -53,8 +55,8 @@ def _rng(family: str, seed: int, split: str, index: int) -> np.random.Generator:
 # --- arithmetic ---------------------------------------------------------------------------------------------
 
 
-class ArithmeticConfig(SplitConfig):
-    """Text-only arithmetic questions (`data.arithmetic`)."""
+class RecipeSplitConfig(SplitConfig):
+    """Split sizes of the recipe families: enough distinct questions for a cold start and RL on a laptop."""
 
     train: int = Field(2000, ge=0)
     """Number of training tasks."""
@@ -62,6 +64,11 @@ class ArithmeticConfig(SplitConfig):
     """Number of validation tasks."""
     test: int = Field(200, ge=0)
     """Number of test tasks."""
+
+
+class ArithmeticConfig(RecipeSplitConfig):
+    """Text-only arithmetic questions (`data.arithmetic`)."""
+
     operations: tuple[Operation, ...] = Field(("add", "sub"), min_length=1)
     """Operations drawn in turn: add, sub (never negative) and mul."""
     operands: tuple[Annotated[int, Field(ge=0)], Annotated[int, Field(ge=0)]] = (0, 9)
@@ -102,18 +109,20 @@ def generate_arithmetic_tasks(out_dir: Path, cfg: ArithmeticConfig, progress: bo
     return write_splits(out_dir, cfg, _save_arithmetic, "arithmetic", progress, workers)
 
 
+def _save_drawn(draw: Callable[..., tuple[TaskRecord, Image.Image]], cfg: RecipeSplitConfig, split: str, index: int,
+                folder: Path) -> TaskRecord:
+    """Task `index` of `split` drawn by `draw`, its one image saved under `folder` (picklable with partial)."""
+    record, image = draw(cfg, split, index)
+    (folder / record.images[0]).write_bytes(encode_png(image))
+    return record
+
+
 # --- counting -----------------------------------------------------------------------------------------------
 
 
-class CountingConfig(SplitConfig):
+class CountingConfig(RecipeSplitConfig):
     """CLEVR-like counting scenes (`data.counting`)."""
 
-    train: int = Field(2000, ge=0)
-    """Number of training tasks."""
-    val: int = Field(32, ge=0)
-    """Number of validation tasks."""
-    test: int = Field(200, ge=0)
-    """Number of test tasks."""
     canvas: tuple[Annotated[int, Field(ge=64, le=2048)], Annotated[int, Field(ge=64, le=2048)]] = (480, 320)
     """Width and height in pixels (CLEVR's renders are 480 x 320)."""
     count: tuple[Annotated[int, Field(ge=0)], Annotated[int, Field(ge=1, le=12)]] = (1, 6)
@@ -187,30 +196,18 @@ def draw_counting_task(cfg: CountingConfig, split: str, index: int) -> tuple[Tas
     return record, image
 
 
-def _save_counting(cfg: CountingConfig, split: str, index: int, folder: Path) -> TaskRecord:
-    record, image = draw_counting_task(cfg, split, index)
-    (folder / record.images[0]).write_bytes(encode_png(image))
-    return record
-
-
 def generate_counting_tasks(out_dir: Path, cfg: CountingConfig, progress: bool = False,
                             workers: int = 1) -> dict[str, Path]:
     """Write the counting splits into `out_dir`; returns {split: jsonl path}."""
-    return write_splits(out_dir, cfg, _save_counting, "counting", progress, workers)
+    return write_splits(out_dir, cfg, partial(_save_drawn, draw_counting_task), "counting", progress, workers)
 
 
 # --- geometry -----------------------------------------------------------------------------------------------
 
 
-class GeometryConfig(SplitConfig):
+class GeometryConfig(RecipeSplitConfig):
     """Labelled figures with numeric answers (`data.geometry`)."""
 
-    train: int = Field(2000, ge=0)
-    """Number of training tasks."""
-    val: int = Field(32, ge=0)
-    """Number of validation tasks."""
-    test: int = Field(200, ge=0)
-    """Number of test tasks."""
     side: int = Field(336, ge=64, le=2048)
     """Width and height of the figure in pixels."""
     kinds: tuple[GeometryKind, ...] = Field(("triangle_angle", "rectangle_area", "rectangle_perimeter"), min_length=1)
@@ -280,13 +277,7 @@ def draw_geometry_task(cfg: GeometryConfig, split: str, index: int) -> tuple[Tas
     return record, image
 
 
-def _save_geometry(cfg: GeometryConfig, split: str, index: int, folder: Path) -> TaskRecord:
-    record, image = draw_geometry_task(cfg, split, index)
-    (folder / record.images[0]).write_bytes(encode_png(image))
-    return record
-
-
 def generate_geometry_tasks(out_dir: Path, cfg: GeometryConfig, progress: bool = False,
                             workers: int = 1) -> dict[str, Path]:
     """Write the geometry splits into `out_dir`; returns {split: jsonl path}."""
-    return write_splits(out_dir, cfg, _save_geometry, "geometry", progress, workers)
+    return write_splits(out_dir, cfg, partial(_save_drawn, draw_geometry_task), "geometry", progress, workers)

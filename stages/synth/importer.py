@@ -26,6 +26,7 @@ from typing import Any
 
 from PIL import Image
 
+from loupe.images import image_cell
 from loupe.protocol import IMAGE_PLACEHOLDER, Protocol
 from loupe.trajectory import Trajectory, Turn
 
@@ -139,13 +140,10 @@ def _safe_name(name: str, fallback: str) -> str:
 
 def image_bytes(value: Any, where: str, base_dir: Path) -> bytes:
     """The encoded bytes of one `images` entry: a {"bytes", "path"} struct, raw bytes, or a path beside the file."""
-    if isinstance(value, dict):
-        if value.get("bytes"):
-            return bytes(value["bytes"])
-        value = value.get("path")
-    if isinstance(value, (bytes, bytearray)):
-        return bytes(value)
-    if isinstance(value, str) and value:
+    value = image_cell(value)
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
         path = (base_dir / value).resolve()
         if not path.is_relative_to(base_dir.resolve()) or not path.is_file():
             raise ImportFormatError(f"{where}: field 'images': {value!r} is neither embedded nor a file beside the parquet")
