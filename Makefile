@@ -1,6 +1,7 @@
-# Loupe's commands: `make run` (the pipeline on the embedded default), `make ui` (MLflow's UI on its runs)
-# and `make test`. Each creates or refreshes the virtual environment first when it is missing or out of date:
-# the venv is keyed on a hash of the pinned requirements and pyproject.toml, so editing either rebuilds it.
+# Loupe's commands: `make run` (the pipeline on the embedded default; PARAMS=params/<recipe>.yaml runs a recipe
+# in its own workspace under work/runs/, docs/recipes.md), `make ui` (MLflow's UI on its runs) and `make test`.
+# Each creates or refreshes the virtual environment first when it is missing or out of date: the venv is keyed
+# on a hash of the pinned requirements and pyproject.toml, so editing either rebuilds it.
 
 SHELL := /bin/bash
 PYTHON ?= python3
