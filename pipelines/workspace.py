@@ -106,11 +106,11 @@ def shaped_stages(spec: dict[str, Any], pipeline: PipelineParams, data: DataPara
     evaluate["outs"] = [f"work/eval/{m}" for m in models] + fixed
     stages["eval"] = evaluate
     spec["stages"] = stages
+    turn_scaling = "work/eval/plots/turn_scaling.json"
     for plot in spec.get("plots", []):
         for definition in plot.values():
-            for path in list((definition.get("y") or {}).keys()) if isinstance(definition.get("y"), dict) else []:
-                if path == "work/eval/plots/turn_scaling.json":
-                    definition["y"][path] = models
+            if isinstance(definition.get("y"), dict) and turn_scaling in definition["y"]:
+                definition["y"][turn_scaling] = models
     return spec
 
 
