@@ -58,6 +58,13 @@ CELL_NAMES = {
 image": the tiny model learns to read the word just before the phrase that follows a cell's name and misses
 one a word further back ("upper" in "upper left part", "left" in "left side"; docs/learning.md)."""
 
+CELL_PREPOSITIONS = {"left": "on", "right": "at"}
+"""The word before "the <cell>" in a one-row question ("on the left", "in the middle", "at the right"; "in" for
+every other cell). A side with a preposition of its own is read where "on the left" / "on the right" are not:
+the SFT model, on the CPU CI runs on, reads the middle from its "in" and left and right no better than a coin
+toss when both say "on" (docs/learning.md, "Left and right").
+"""
+
 ColourName = Literal["red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black", "white"]
 CanvasSide = Annotated[int, Field(ge=256, le=4096)]
 Fraction = Annotated[float, Field(gt=0, le=0.3)]
@@ -278,7 +285,7 @@ def draw_zoom_task(cfg: ZoomTaskConfig, split: str, index: int) -> tuple[TaskRec
     where = ""
     if cfg.location_hint:
         cell_name = CELL_NAMES[cfg.grid_shape][cells[0]]
-        where = f" {'on' if cell_name in ('left', 'right') else 'in'} the {cell_name} of the image"
+        where = f" {CELL_PREPOSITIONS.get(cell_name, 'in')} the {cell_name} of the image"
     ask = f"What colour is the small square inside the {frame_colours[0]} frame{where}?"
     if cfg.answer_format == "choice":
         n = min(cfg.option_count, len(cfg.colours))
