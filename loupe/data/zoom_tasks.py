@@ -62,7 +62,7 @@ CELL_PREPOSITIONS = {"left": "on", "right": "at"}
 """The word before "the <cell>" in a one-row question ("on the left", "in the middle", "at the right"; "in" for
 every other cell). A side with a preposition of its own is read where "on the left" / "on the right" are not:
 the SFT model, on the CPU CI runs on, reads the middle from its "in" and left and right no better than a coin
-toss when both say "on" (docs/learning.md, "Left and right").
+toss when both say "on" (docs/learning.md, "On an AMD EPYC").
 """
 
 ColourName = Literal["red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black", "white"]
