@@ -5,8 +5,10 @@ as it is except that `work/` moves into the test's temporary folder (DVC, Prefec
 record, are left out). So what it asserts is what `make run`'s summary shows: the tiny model is built and
 given its perception pretraining, zoom tasks are drawn, the oracle writes the cold start, LLaMA-Factory
 fine-tunes, the rl stage runs GRPO with the crop tool, and one eval run scores the base, SFT and RL models on
-the 200 held-out questions with 95% bootstrap intervals. About 10 minutes on 2 cores: marked `learning` (and
-`slow`), outside the default run; CI runs it as its own step (`make test-learning`). `LOUPE_LEARNING_SEED`
+the 200 held-out questions with 95% bootstrap intervals. Then the rl stage runs again from the same SFT model
+with one-step overlap on (`rl.overlap`, issue 16) and its model is evaluated alone: it must clear RL's bar
+too. About 25 minutes on 2 cores: marked `learning` (and `slow`), outside the default run; CI runs it as its
+own step (`make test-learning`). `LOUPE_LEARNING_SEED`
 sets the seed (top-level `seed`, `model.tiny_seed` and `data.zoom.seed`; 0 by default). A reduced run does
 not learn (160 tasks, 300 perception steps: SFT 0.16 against chance 0.25; docs/learning.md), so there is no
 3-minute version.
@@ -73,6 +75,31 @@ def stage_command(stage: str, params: dict, params_file: Path, work: Path) -> li
     return [sys.executable, "-m", "loupe.cli", *argv[1:]]
 
 
+def _with_option(argv: list[str], option: str, value: str) -> list[str]:
+    """`argv` with `option`'s value replaced."""
+    index = argv.index(option)
+    return [*argv[: index + 1], value, *argv[index + 2 :]]
+
+
+def _rl_with_overlap(params: dict, tmp_path: Path, work: Path, env: dict) -> dict:
+    """Run dvc.yaml's rl stage again with `rl.overlap` on (and the sampler's log-probs, which overlap needs) into
+    work/rl_overlap, evaluate that model alone into work/eval_overlap, and return its held-out figures."""
+    params = json.loads(json.dumps(params))
+    params["rl"].update(overlap=True, logprob_source="rollout")
+    params_file = tmp_path / "params_overlap.yaml"
+    params_file.write_text(yaml.safe_dump(params, sort_keys=False))
+    rl = _with_option(stage_command("rl", params, params_file, work), "--out", str(work / "rl_overlap"))
+    evaluate = stage_command("eval", params, params_file, work)
+    evaluate = [*evaluate[: evaluate.index("--model")], "--model", f"rl_overlap={work / 'rl_overlap' / 'model'}",
+                "--out", str(work / "eval_overlap")]
+    for name, argv in (("rl_overlap", rl), ("eval_overlap", evaluate)):
+        log = tmp_path / f"{name}.log"
+        with log.open("w") as handle:
+            code = subprocess.call(argv, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT)
+        assert code == 0, f"{name} failed; end of {log}:\n{log.read_text(errors='replace')[-3000:]}"
+    return json.loads((work / "eval_overlap" / "metrics.json").read_text())["synthetic"]["rl_overlap"]
+
+
 @pytest.mark.slow
 @pytest.mark.learning
 def test_sft_then_rl_make_the_tiny_model_better_on_held_out_questions(tmp_path):
@@ -107,6 +134,12 @@ def test_sft_then_rl_make_the_tiny_model_better_on_held_out_questions(tmp_path):
     tool_calls = {name: next(iter(json.loads((work / "eval" / name / "metrics.json").read_text())["benchmarks"]
                                    .values()))["mean_tool_calls"] for name in ("sft", "rl")}
     assert tool_calls["rl"] > tool_calls["sft"], tool_calls  # the gain is the tool put to use
-    for model in (sft, rl):
+    # The same RL stage with one-step overlap (rl.overlap, issue 16), from the same SFT model: each step after
+    # the first trains on a batch sampled with the weights of one update before. It must clear the same bar.
+    overlap_rl = _rl_with_overlap(params, tmp_path, work, env)
+    assert overlap_rl["accuracy"] >= min(sft["accuracy"] + 0.10, (1 + sft["accuracy"]) / 2), (sft, overlap_rl)
+    assert overlap_rl["accuracy_ci_low"] > sft["accuracy_ci_high"], (sft, overlap_rl)
+
+    for model in (sft, rl, overlap_rl):
         curve = model["turn_scaling"]
         assert curve["2"] > curve["1"] + 0.3 and curve["4"] >= curve["2"] - 0.02, curve  # zooming needs turns

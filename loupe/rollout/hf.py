@@ -22,7 +22,8 @@ from transformers import DynamicCache
 
 from loupe.protocol import IMAGE_PLACEHOLDER, split_on_images
 from loupe.rollout.engine import Engine, Generation, TokenTrace
-from loupe.rollout.kv_batch import Batch, DialogueCache, Positions, Row, cache_layers, grouped_attention, keep_rows, left_pad, make_cache, merge, row_layers, sample
+from loupe.rollout.kv_batch import (SPARE_COLUMNS, Batch, BufferedLayer, DialogueCache, Positions, Row, cache_layers, grouped_attention,
+                                    keep_rows, make_cache, merge, right_aligned, row_layers, sample)
 
 _MARK = "\x00LOUPE\x00"
 _STOP_WINDOW = 16
@@ -398,7 +399,7 @@ class TransformersEngine(TokenContextEngine):
             "input_ids": input_ids.to(self.device),
             "attention_mask": mask.long().to(self.device),
             "position_ids": self.positions.batch(positions).to(self.device),
-            "past_key_values": self._past(rows, past),
+            "past_key_values": self._past(rows, past, width + SPARE_COLUMNS),
         }
         if pixels:
             inputs["pixel_values"] = torch.cat(pixels).to(self.device, self.model.dtype)
@@ -409,18 +410,20 @@ class TransformersEngine(TokenContextEngine):
         self._take_sample(batch, output.logits[:, -1])
         return batch
 
-    def _past(self, rows: list[Row], length: int) -> DynamicCache:
-        """The rows' cached keys and values, left-padded to `length`, as one cache (empty at a first turn)."""
+    def _past(self, rows: list[Row], length: int, room: int) -> DynamicCache:
+        """The rows' cached keys and values, left-padded to `length`, as one cache with `room` columns to grow
+        (empty at a first turn)."""
         if length == 0:
             return DynamicCache()
         template = next(row.state.cache.layers for row in rows if row.state.cache.layers)
-        layers = []
+        cache = DynamicCache()
         for index, (keys, values) in enumerate(template):
-            empty = keys.new_zeros((keys.shape[0], 0, keys.shape[2]))
-            per_row = [row.state.cache.layers[index] if row.state.cache.layers else (empty, empty) for row in rows]
-            layers.append((torch.stack([left_pad(k, length, 1) for k, _ in per_row]),
-                           torch.stack([left_pad(v, length, 1) for _, v in per_row])))
-        return make_cache(layers)
+            empty = keys.new_zeros((1, keys.shape[0], 0, keys.shape[2]))
+            per_row = [tuple(t.unsqueeze(0) for t in row.state.cache.layers[index]) if row.state.cache.layers
+                       else (empty, empty) for row in rows]
+            cache.layers.append(BufferedLayer(right_aligned([k for k, _ in per_row], length, room),
+                                              right_aligned([v for _, v in per_row], length, room), length))
+        return cache
 
     def _decode_step(self, batch: Batch) -> None:
         """Feed every row its last sampled token and sample the next."""

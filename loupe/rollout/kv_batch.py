@@ -89,8 +89,8 @@ class BufferedLayer(DynamicLayer):
         self.lazy_initialization(keys, values)
         if length is None:
             self.length = keys.shape[2]
-            self._keys = self._grown(keys, self.length + _SPARE)
-            self._values = self._grown(values, self.length + _SPARE)
+            self._keys = self._grown(keys, self.length + SPARE_COLUMNS)
+            self._values = self._grown(values, self.length + SPARE_COLUMNS)
         else:
             self.length, self._keys, self._values = length, keys, values
         self._view()
@@ -119,7 +119,7 @@ class BufferedLayer(DynamicLayer):
         return self.keys, self.values
 
 
-_SPARE = 64
+SPARE_COLUMNS = 64
 """Columns a batch's cache buffers hold beyond its current length when they are (re)built."""
 
 
@@ -142,17 +142,39 @@ def left_pad(tensor: torch.Tensor, length: int, dim: int) -> torch.Tensor:
     return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
 
 
+def right_aligned(parts: list[torch.Tensor], length: int, room: int) -> torch.Tensor:
+    """`parts` (rows, heads, columns, dim) stacked row-wise in one new buffer of `length + room` columns, each
+    part ending at column `length` and zero to its left: one copy of each part, where padding with `torch.cat`
+    and then moving into a growable buffer copied the batch three times."""
+    first = parts[0]
+    buffer = first.new_empty((sum(p.shape[0] for p in parts), first.shape[1], length + room, first.shape[3]))
+    row = 0
+    for part in parts:
+        rows, columns = part.shape[0], part.shape[2]
+        buffer[row : row + rows, :, : length - columns].zero_()  # never attended, but must not be NaN
+        buffer[row : row + rows, :, length - columns : length] = part
+        row += rows
+    return buffer
+
+
+def buffered(cache: DynamicCache) -> DynamicCache:
+    """The cache with every layer a `BufferedLayer`: as it is where it already is, copied where not."""
+    if all(isinstance(layer, BufferedLayer) for layer in cache.layers):
+        return cache
+    return make_cache(cache_layers(cache))
+
+
 def merge(first: Batch | None, second: Batch) -> Batch:
     """One batch of both, in buffers with room to grow: the shorter is padded on the left."""
     if first is None or not first.rows:
-        return Batch(second.rows, make_cache(cache_layers(second.cache)), second.mask)
+        return Batch(second.rows, buffered(second.cache), second.mask)
     length = max(first.mask.shape[1], second.mask.shape[1])
-    layers = [
-        (torch.cat([left_pad(k1, length, 2), left_pad(k2, length, 2)]), torch.cat([left_pad(v1, length, 2), left_pad(v2, length, 2)]))
-        for (k1, v1), (k2, v2) in zip(cache_layers(first.cache), cache_layers(second.cache))
-    ]
+    cache = DynamicCache()
+    cache.layers = [BufferedLayer(right_aligned([a.keys, b.keys], length, SPARE_COLUMNS),
+                                  right_aligned([a.values, b.values], length, SPARE_COLUMNS), length)
+                    for a, b in zip(first.cache.layers, second.cache.layers)]
     mask = torch.cat([left_pad(first.mask, length, 1), left_pad(second.mask, length, 1)])
-    return Batch(first.rows + second.rows, make_cache(layers), mask)
+    return Batch(first.rows + second.rows, cache, mask)
 
 
 def keep_rows(batch: Batch, keep: list[int]) -> Batch | None:
