@@ -97,6 +97,22 @@ def test_sampling_params_are_built_validated_and_applied_as_intended(vllm_python
     assert "finish_reason 'abort'" in r["unfinished_request_raises"] and r["traces_untouched_by_unfinished"]
 
 
+def test_turns_stream_out_of_vllm_as_they_end_and_join_while_others_decode(vllm_python, model_dir):
+    """The per-trajectory loop on vLLM: `submit` enqueues at once and `poll` steps vLLM's engine until a turn ends."""
+    r = run_check(vllm_python, "streaming.py", "--model", model_dir)
+    first, second = r["tickets"]
+    third = r["third_ticket"]
+    assert r["first"] == [[first, "eos", 3]] and r["active_after_first"] == 1  # the second is still decoding
+    assert r["second"] == [[third, "eos", 2]] and r["active_after_second"] == 1  # joined late, ended first
+    assert r["third"] == [[second, "length", 8]]
+    assert r["in_flight_after_all"] == 0 and r["unfinished_after_all"] is False
+    for recorded, scripted, logprob in zip(r["recorded"], r["scripted"], (-0.5, -0.25, -0.75)):
+        assert recorded["ids"] == scripted and recorded["generated"] == [1] * len(scripted)
+        assert recorded["logprobs"] == pytest.approx([logprob] * len(scripted))
+    assert r["aborted"] == 1 and r["after_cancel"] == {"in_flight": 0, "unfinished": False, "trace_untouched": True}
+    assert "no turn submitted" in r["poll_after_cancel"]
+
+
 def test_engine_args_without_a_platform_stop_at_the_device_config(vllm_python, model_dir):
     r = run_check(vllm_python, "engine_args.py", "--model", model_dir, "--platform", "default")
     assert r["versions"]["platform"] == "UnspecifiedPlatform"

@@ -3,7 +3,7 @@
 Runs in .venv-vllm: python tests/vllm_checks/sampling_params.py --model TINY_MODEL_DIR
 
 The engine generates for real on vLLM's front end (`_harness.replay_engine`): its SamplingParams go through
-`LLM.generate`, vLLM's InputProcessor (validation against the model config, generation-config EOS ids) and the
+`LLM.enqueue`, vLLM's InputProcessor (validation against the model config, generation-config EOS ids) and the
 msgpack hop to the engine core. Fields are read back at each stage. The logit bias is also run through vLLM's
 V1 logit-bias processor on CPU (the V2 model runner's, the GPU default, is a Triton kernel that adds the same
 bias in the same place: before temperature).
@@ -58,13 +58,13 @@ def check(result: dict) -> None:
     result["logprobs_mode"] = model_config.logprobs_mode
 
     captured = []
-    generate = engine.llm.generate
+    enqueue = engine.llm.enqueue
 
-    def spy(prompts, params, use_tqdm=True):
-        captured.extend(copy.deepcopy(p) for p in params)  # as built, before LLM marks them FINAL_ONLY
-        return generate(prompts, params, use_tqdm=use_tqdm)
+    def spy(prompts, sampling_params=None, **kwargs):
+        captured.append(copy.deepcopy(sampling_params))  # as built, before LLM marks it FINAL_ONLY
+        return enqueue(prompts, sampling_params, **kwargs)
 
-    engine.llm.generate = spy
+    engine.llm.enqueue = spy
     images = dialogue.turn_images(dialogue.protocol_params())
     states = [engine.begin(dialogue.SYSTEM, dialogue.QUESTION, images[0]) for _ in range(2)]
     words = tokenizer("a b c d e f g h", add_special_tokens=False)["input_ids"]
