@@ -21,15 +21,22 @@ Two workloads:
   a long-tailed law (P(k) proportional to k^-1.5 on 1..--max-turns, Mini-o3's test-time limit of 32 by default)
   and zooms until then, so contexts, crops and image processing grow as in a real long search; each turn draws
   its length from a log-normal (median a quarter of `--max-new-tokens`), as reasoning turns vary. The untrained
-  tiny model would end after one turn; an RL batch's turn counts are long-tailed (Mini-o3, DeepEyes).
+  tiny model would end after one turn; an RL batch's turn counts are long-tailed (Mini-o3, DeepEyes). The
+  default budget, 256 new tokens, gives turns of 64 tokens at the median: still short beside Mini-o3's
+  reasoning turns (its budget is 2,048 a turn), longer than the 16 of the budget of 64 this benchmark used
+  to default to, where each turn's prefill (the crop's image tokens) outweighs its decoding.
 - `model`: the model's own turns (`--model work/sft/model --tasks work/data/tasks` after `make run`; the SFT
   model takes 1.4-2 turns a trajectory).
 
     python benchmarks/rollout_throughput.py [--workload scripted|model] [--model DIR] [--tasks DIR]
-        [--trajectories 128] [--samples-per-task 4] [--batch-size 16] [--max-turns 32] [--max-new-tokens 64]
+        [--trajectories 128] [--samples-per-task 4] [--batch-size 16] [--max-turns 32] [--max-new-tokens 256]
+        [--repeats 1]
 
-Prints trajectories/s and turns for each side and the ratios (targets: per-traj >= 1.5x round-sync, >= 5x
-sequential). Not a test: a measurement.
+Prints trajectories/s and turns for each side (the median of `--repeats` runs) and the ratios
+(targets: per-traj >= 1.5x round-sync, >= 5x sequential). Last, the bound the machine puts on batching: one
+decode step of `--batch-size` rows against one of a single row, at the mean context a generated token saw;
+on a CPU a step's cost grows with its rows (attention reads every row's cache), so batching cannot give
+`--batch-size` times sequential's rate. Not a test: a measurement.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from __future__ import annotations
 import argparse
 import math
 import random
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -51,6 +59,7 @@ from loupe.protocol import get_protocol
 from loupe.rollout import RolloutStats, run_rollouts
 from loupe.rollout.engine import Engine, Generation
 from loupe.rollout.hf import TokenContextEngine, TransformersEngine
+from loupe.rollout.kv_batch import Batch, Row, make_cache
 from loupe.rollout.loop import Rollout
 from loupe.trajectory import Trajectory
 
@@ -158,15 +167,52 @@ class ScriptedRegenerating(ScriptedTurns):
                 for row, (state, budget) in enumerate(zip(states, budgets))]
 
 
-def measure(label: str, run) -> tuple[float, RolloutStats]:
-    stats = RolloutStats()
-    started = time.perf_counter()
-    run(stats)
-    seconds = time.perf_counter() - started
-    print(f"{label:>11}: {stats.trajectories} trajectories, {stats.turns} turns ({stats.turns / stats.trajectories:.2f} "
-          f"a trajectory), {stats.generated_tokens} tokens in {seconds:.2f} s = "
-          f"{stats.trajectories / seconds:.2f} traj/s", flush=True)
-    return seconds, stats
+def measure(label: str, run, repeats: int) -> tuple[float, RolloutStats]:
+    """The median wall time of `repeats` runs of one side, and the first run's stats (every run of a side
+    generates the same turns: the engines are seeded)."""
+    times, first = [], None
+    for _ in range(repeats):
+        stats = RolloutStats()
+        started = time.perf_counter()
+        run(stats)
+        times.append(time.perf_counter() - started)
+        first = first or stats
+    seconds = statistics.median(times)
+    spread = f" (runs {', '.join(f'{t:.1f}' for t in times)} s)" if repeats > 1 else ""
+    print(f"{label:>11}: {first.trajectories} trajectories, {first.turns} turns ({first.turns / first.trajectories:.2f} "
+          f"a trajectory), {first.generated_tokens} tokens in {seconds:.2f} s = "
+          f"{first.trajectories / seconds:.2f} traj/s{spread}", flush=True)
+    return seconds, first
+
+
+def decode_step_seconds(engine: TransformersEngine, rows: int, context: int, steps: int = 20) -> float:
+    """Seconds a decode step of `rows` rows over `context` cached tokens takes on `engine` (random keys and
+    values, nothing else running): a full batch against one row bounds what batching alone can gain here."""
+    config = getattr(engine.model.config, "text_config", engine.model.config)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    shape = (rows, config.num_key_value_heads, context, head_dim)
+    layers = [(torch.randn(shape), torch.randn(shape)) for _ in range(config.num_hidden_layers)]
+    batch = Batch([Row(i, None, budget=1 << 30, new_ids=[engine.pad_id], position=context) for i in range(rows)],
+                  make_cache(layers), torch.ones((rows, context), dtype=torch.bool))
+    with torch.inference_mode():
+        engine._decode_step(batch)
+        started = time.perf_counter()
+        for _ in range(steps):
+            engine._decode_step(batch)
+    return (time.perf_counter() - started) / steps
+
+
+def mean_context(trajectories: list[Trajectory]) -> int:
+    """Cached tokens a generated token saw on average: each assistant turn's context, weighted by its length."""
+    seen = weight = 0
+    for trajectory in trajectories:
+        context = 0
+        for turn in trajectory.turns:
+            if turn.role == "assistant":
+                seen += (context + turn.num_tokens / 2) * turn.num_tokens
+                weight += turn.num_tokens
+            context += turn.num_tokens
+    return round(seen / max(1, weight))
 
 
 def main() -> None:
@@ -178,9 +224,10 @@ def main() -> None:
     parser.add_argument("--samples-per-task", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-turns", type=int, default=32)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each side, one after another; the median is kept")
     parser.add_argument("--before", action=argparse.BooleanOptionalAction, default=True,
                         help="also time `before`: the round-synchronous loop on the engine as it was (scripted only)")
     args = parser.parse_args()
@@ -223,19 +270,22 @@ def main() -> None:
             round_synchronous_rollouts(tasks, engine(args.batch_size), protocol, data, args.samples_per_task,
                                        max_new_tokens=args.max_new_tokens, stats=stats)
 
+        per_trajectory_runs: list[list[Trajectory]] = []
+
         def per_trajectory(stats: RolloutStats) -> None:
-            run_rollouts(tasks, engine(args.batch_size), protocol, data, args.samples_per_task,
-                         max_new_tokens=args.max_new_tokens, stats=stats)
+            per_trajectory_runs.append(run_rollouts(tasks, engine(args.batch_size), protocol, data,
+                                                    args.samples_per_task, max_new_tokens=args.max_new_tokens,
+                                                    stats=stats))
 
         print(f"workload {args.workload}, {len(tasks)} tasks x {args.samples_per_task} samples, batch size "
               f"{args.batch_size}, turn limit {args.max_turns}, {args.max_new_tokens} new tokens a turn, "
               f"torch threads {torch.get_num_threads()}", flush=True)
         run_rollouts(tasks[:1], engine(1), protocol, data, max_new_tokens=4)  # warm-up: first-call costs
         if args.before and args.workload == "scripted":
-            before_s, before_stats = measure("before", round_sync_before)
-        sequential_s, sequential_stats = measure("sequential", sequential)
-        round_s, round_stats = measure("round-sync", round_sync)
-        async_s, async_stats = measure("per-traj", per_trajectory)
+            before_s, before_stats = measure("before", round_sync_before, args.repeats)
+        sequential_s, sequential_stats = measure("sequential", sequential, args.repeats)
+        round_s, round_stats = measure("round-sync", round_sync, args.repeats)
+        async_s, async_stats = measure("per-traj", per_trajectory, args.repeats)
 
         def rate(seconds: float, stats: RolloutStats) -> float:
             return stats.trajectories / seconds
@@ -246,6 +296,11 @@ def main() -> None:
         if args.before and args.workload == "scripted":
             print(f"per-traj vs before (round-sync loop on the engine before issue 16's engine work): "
                   f"{fast / rate(before_s, before_stats):.2f}x")
+        context = mean_context(per_trajectory_runs[0])
+        one, full = (decode_step_seconds(engine(args.batch_size), rows, context) for rows in (1, args.batch_size))
+        print(f"decode-step bound at the mean context a token saw ({context} tokens): a step of {args.batch_size} "
+              f"rows takes {full / one:.2f}x a step of 1 ({full * 1e3:.2f} ms against {one * 1e3:.2f} ms), so batching "
+              f"alone gives at most {args.batch_size * one / full:.2f}x sequential's decode rate on this machine")
 
 
 if __name__ == "__main__":
