@@ -39,7 +39,7 @@ test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
 # SFT and RL improving the default tiny model on held-out questions (tests/test_learning.py: dvc.yaml's stage
-# commands, ~10 minutes; LOUPE_LEARNING_SEED=N runs another seed).
+# commands, then rl again with one-step overlap; ~25 minutes on 2 cores; LOUPE_LEARNING_SEED=N runs another seed).
 test-learning: $(STAMP)
 	$(PY) -m pytest -q -m learning $(PYTEST_ARGS)
 
