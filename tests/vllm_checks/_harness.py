@@ -22,6 +22,7 @@ VLLM_TARGET_DEVICE=cpu before importing it (`select_cpu_platform`).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import pickle
@@ -53,6 +54,13 @@ def quiet() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def model_dir() -> str:
+    """The `--model` argument of a check that takes only that: the tiny model's folder."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    return parser.parse_args().model
 
 
 def emit(result: dict[str, Any]) -> None:

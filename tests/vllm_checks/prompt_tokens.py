@@ -16,7 +16,6 @@ Runs in .venv-vllm: python tests/vllm_checks/prompt_tokens.py --model TINY_MODEL
 
 from __future__ import annotations
 
-import argparse
 
 import _harness
 
@@ -50,9 +49,7 @@ def hf_images(state) -> list[tuple[list[int], object]]:
 
 
 def check(result: dict) -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", required=True)
-    args = parser.parse_args()
+    model_path = _harness.model_dir()
 
     import dialogue
     import torch
@@ -62,14 +59,14 @@ def check(result: dict) -> None:
     from loupe.rollout.hf import TransformersEngine
 
     result["versions"] = _harness.versions()
-    processor = load_processor(args.model)
+    processor = load_processor(model_path)
     tokenizer = processor.tokenizer
     pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
     filler = tokenizer("and so on and so on", add_special_tokens=False)["input_ids"]
 
     # 1. The transformers engine's dialogue, with each turn's prompt and sampled tokens kept.
     torch.manual_seed(0)
-    hf = TransformersEngine(load_model(args.model, device="cpu", dtype="float32"), processor, get_protocol(dialogue.PROTOCOL).stop,
+    hf = TransformersEngine(load_model(model_path, device="cpu", dtype="float32"), processor, get_protocol(dialogue.PROTOCOL).stop,
                             temperature=1.0, top_p=1.0, batch_size=8, seed=0)
     hf_turns: list[dict] = []
 
@@ -87,7 +84,7 @@ def check(result: dict) -> None:
     hf_states = dialogue.run(hf, hf_generate)
 
     # 2. The same dialogue through VLLMEngine on vLLM's front end, replaying those tokens.
-    engine, core = _harness.replay_engine(args.model, temperature=1.0, top_p=1.0, seed=0)
+    engine, core = _harness.replay_engine(model_path, temperature=1.0, top_p=1.0, seed=0)
     vllm_turns: list[dict] = []
 
     def vllm_generate(states, max_new_tokens):

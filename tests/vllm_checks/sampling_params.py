@@ -11,7 +11,6 @@ bias in the same place: before temperature).
 
 from __future__ import annotations
 
-import argparse
 import copy
 
 import _harness
@@ -39,16 +38,14 @@ def fields(params) -> dict:
 
 
 def check(result: dict) -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", required=True)
-    args = parser.parse_args()
+    model_path = _harness.model_dir()
 
     import dialogue
     import torch
     from vllm import SamplingParams
 
     result["versions"] = _harness.versions()
-    engine, core = _harness.replay_engine(args.model, temperature=0.7, top_p=0.95, seed=5)
+    engine, core = _harness.replay_engine(model_path, temperature=0.7, top_p=0.95, seed=5)
     model_config = core.vllm_config.model_config
     tokenizer = engine.tokenizer
     result["vocab_size"] = model_config.get_vocab_size()

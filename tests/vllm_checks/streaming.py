@@ -11,7 +11,6 @@ ends, the third before the second; `cancel` must abort what is in flight.
 
 from __future__ import annotations
 
-import argparse
 
 import _harness
 
@@ -19,14 +18,12 @@ _harness.select_cpu_platform()
 
 
 def check(result: dict) -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", required=True)
-    args = parser.parse_args()
+    model_path = _harness.model_dir()
 
     import dialogue
 
     result["versions"] = _harness.versions()
-    engine, core = _harness.replay_engine(args.model, temperature=1.0, seed=3)
+    engine, core = _harness.replay_engine(model_path, temperature=1.0, seed=3)
     tokenizer = engine.tokenizer
     words = tokenizer("a b c d e f g h", add_special_tokens=False)["input_ids"]
     end = engine.end_ids[0]

@@ -16,7 +16,6 @@ Runs in .venv-vllm: python tests/vllm_checks/worker_extension.py --model TINY_MO
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import threading
 
@@ -26,9 +25,7 @@ _harness.select_cpu_platform()
 
 
 def check(result: dict) -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", required=True)
-    args = parser.parse_args()
+    model_path = _harness.model_dir()
 
     import torch
 
@@ -44,7 +41,7 @@ def check(result: dict) -> None:
     }
 
     # 2. vLLM mixes it into its GPU worker class.
-    engine, core = _harness.replay_engine(args.model, temperature=1.0, top_p=1.0, seed=0)
+    engine, core = _harness.replay_engine(model_path, temperature=1.0, top_p=1.0, seed=0)
     result["worker_extension_cls"] = core.vllm_config.parallel_config.worker_extension_cls
     worker, vllm_model = _harness.attach_worker(core)
     worker_class = type(worker.worker)
@@ -59,7 +56,7 @@ def check(result: dict) -> None:
     # 3. A sync through collective_rpc. The learner: the checkpoint, perturbed so the sync is visible.
     from transformers import AutoModelForImageTextToText
 
-    learner = AutoModelForImageTextToText.from_pretrained(args.model, dtype=torch.float32)
+    learner = AutoModelForImageTextToText.from_pretrained(model_path, dtype=torch.float32)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for param in learner.parameters():
