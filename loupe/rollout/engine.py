@@ -124,6 +124,19 @@ class Engine(ABC):
         generations = self.generate([state for _, state, _ in taken], budget)
         return [(ticket, generation) for (ticket, _, _), generation in zip(taken, generations)]
 
+    def generate_by_polling(self, states: list[Any], max_new_tokens: int) -> list[Generation]:
+        """`generate` for an engine that serves turns as they are submitted (it overrides `submit` and `poll`):
+        submit every state, poll until all are back, in the states' order; on an error, drop the rest."""
+        tickets = [self.submit(state, max_new_tokens) for state in states]
+        finished: dict[int, Generation] = {}
+        try:
+            while len(finished) < len(tickets):
+                finished.update(self.poll())
+        except BaseException:
+            self.cancel()
+            raise
+        return [finished[ticket] for ticket in tickets]
+
     def cancel(self) -> None:
         """Drop every submitted turn not yet returned (the loop stops on an error)."""
         self._queue().turns.clear()

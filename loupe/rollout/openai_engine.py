@@ -171,11 +171,7 @@ class OpenAIEngine(Engine):
         return state.tokens
 
     def generate(self, states: list[_ChatState], max_new_tokens: int) -> list[Generation]:
-        tickets = [self.submit(state, max_new_tokens) for state in states]
-        finished: dict[int, Generation] = {}
-        while len(finished) < len(tickets):
-            finished.update(self.poll())
-        return [finished[ticket] for ticket in tickets]
+        return self.generate_by_polling(states, max_new_tokens)
 
     def submit(self, state: _ChatState, max_new_tokens: int) -> int:
         # Requests are numbered here, in submission order, so a task's K identical first requests get the

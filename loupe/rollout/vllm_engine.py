@@ -159,16 +159,7 @@ class VLLMEngine(TokenContextEngine):
         self._in_flight.clear()
 
     def generate(self, states: list[_State], max_new_tokens: int) -> list[Generation]:
-        """Every state's next turn, through `submit` and `poll`."""
-        tickets = [self.submit(state, max_new_tokens) for state in states]
-        finished: dict[int, Generation] = {}
-        try:
-            while len(finished) < len(tickets):
-                finished.update(self.poll())
-        except BaseException:
-            self.cancel()
-            raise
-        return [finished[ticket] for ticket in tickets]
+        return self.generate_by_polling(states, max_new_tokens)
 
     def sleep(self) -> None:
         """Free the GPU for the learner's update: level 2 drops weights and KV cache, which the next sync and
