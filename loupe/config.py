@@ -36,9 +36,9 @@ class ModelParams(Section):
     """Build the embedded tiny model at `path` when it is missing (only for the default; never downloads)."""
     tiny_seed: int = 0
     """Seed of the tiny model's weights and tokenizer corpus."""
-    tiny_text_hidden: int = Field(128, ge=16)
-    """Width of the tiny model's language model (4 heads; tests build the 64-wide default of
-    loupe.models.tiny). 128 wide and 4 deep learns the zoom task's cold start; 64 x 2 does not (docs/learning.md)."""
+    tiny_text_hidden: int = Field(128, ge=32, multiple_of=32)
+    """Width of the tiny model's language model, in heads of 32 (the smallest vLLM's CPU build runs; tests
+    build the 64-wide default of loupe.models.tiny). 128 wide and 4 deep learns the zoom task's cold start; 64 x 2 does not (docs/learning.md)."""
     tiny_text_layers: int = Field(4, ge=1)
     """Depth of the tiny model's language model."""
     tiny_perception_steps: int = Field(600, ge=0)
@@ -157,6 +157,9 @@ class RolloutParams(Section):
     """Torch device for the transformers engine: auto (cuda when present), cpu or cuda:N."""
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
     """vLLM's share of GPU memory."""
+    vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights' dtype inside the vllm engine (vLLM's `dtype`): auto is the checkpoint's on GPU and bfloat16 on
+    vLLM's CPU build. The learner sends its weights cast to it at every sync."""
     openai: OpenAIEndpointParams = OpenAIEndpointParams()
     """Endpoint settings for the openai engine."""
 

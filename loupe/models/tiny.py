@@ -4,9 +4,10 @@ Tests, CI and a laptop run the whole pipeline (synth -> sft -> rl -> eval) on th
 architecture, loaded through the same Auto classes as a real Qwen2.5-VL-7B checkpoint, only tiny (about
 0.29 M parameters, random weights):
 
-- `Qwen2_5_VLForConditionalGeneration` from a small `Qwen2_5_VLConfig` (text: hidden 64, 2 layers, 4 heads,
-  2 KV heads; vision: depth 2, hidden 32, patch 14, merge 2) whose vocabulary and token ids are the
-  tokenizer's;
+- `Qwen2_5_VLForConditionalGeneration` from a small `Qwen2_5_VLConfig` (text: hidden 64, 2 layers, 2 heads of
+  32, 1 KV head; vision: depth 2, hidden 32, patch 14, merge 2) whose vocabulary and token ids are the
+  tokenizer's. Heads are 32 wide at every size: vLLM's CPU attention takes head sizes 32, 64, 80, ... only
+  (`HEAD_DIM` below), and the real engine runs this model in the tests;
 - the tokenizer and chat template of `loupe.models.tiny_tokenizer` (a BPE trained on protocol text);
 - `Qwen2_5_VLProcessor` around `Qwen2VLImageProcessor` and `Qwen2VLVideoProcessor` at a small pixel budget.
 
@@ -35,6 +36,9 @@ from loupe.models.tiny_tokenizer import (
 )
 
 PATCH_SIZE, MERGE_SIZE, TEMPORAL_PATCH_SIZE = 14, 2, 2
+HEAD_DIM = 32
+"""Width of a text attention head. vLLM's CPU attention backend supports 32, 64, 80, 96, 112, 128, ... (its
+`CPUAttentionBackend.get_supported_head_sizes`), so 32 is the smallest the real engine generates with."""
 
 
 def _mrope_section(head_dim: int) -> list[int]:
@@ -52,7 +56,11 @@ def tiny_config(tokenizer, text_hidden: int = 64, text_layers: int = 2):
     from transformers import Qwen2_5_VLConfig
 
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
-    heads = 4
+    if text_hidden % HEAD_DIM:
+        raise ValueError(f"tiny model: text_hidden {text_hidden} must be a multiple of the head size {HEAD_DIM}")
+    heads = text_hidden // HEAD_DIM
+    # Grouped-query attention as in Qwen2.5-VL (two query heads a KV head), down to one KV head.
+    kv_heads = max(1, heads // 2)
     return Qwen2_5_VLConfig(
         text_config={
             "vocab_size": len(tokenizer),  # every id the tokenizer can produce, special tokens included
@@ -60,7 +68,7 @@ def tiny_config(tokenizer, text_hidden: int = 64, text_layers: int = 2):
             "intermediate_size": 2 * text_hidden,
             "num_hidden_layers": text_layers,
             "num_attention_heads": heads,
-            "num_key_value_heads": 2,
+            "num_key_value_heads": kv_heads,
             "max_position_embeddings": 32768,
             "max_window_layers": text_layers,  # no sliding window anyway; keeps the config consistent
             # mrope splits each head's rotary frequencies over (time, height, width): must sum to head_dim/2.

@@ -46,6 +46,7 @@ def make_engine(
             max_images=protocol.max_images,
             max_context_tokens=protocol.max_context_tokens,
             gpu_memory_utilization=rollout.gpu_memory_utilization,
+            dtype=rollout.vllm_dtype,
             enable_sleep_mode=sleep_mode,
         )
     from loupe.models import load_model

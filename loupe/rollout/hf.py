@@ -220,6 +220,12 @@ class TokenContextEngine(Engine):
         """A hash of the engine's weights (tests compare it with the learner's)."""
         raise NotImplementedError
 
+    def device_identity(self) -> list[str]:
+        """The (node, device) key of each process that receives weights (weight_sync.device_identity)."""
+        from loupe.rollout.weight_sync import device_identity
+
+        return [device_identity(getattr(self, "device", "cpu"))]
+
     def _record(self, state: _State, ids: list[int], logprobs: list[float], finish: str) -> Generation:
         state.trace.append(ids, generated=True, logprobs=logprobs)
         state.last_finish = finish

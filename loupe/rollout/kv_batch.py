@@ -268,21 +268,40 @@ GQA_SDPA = "loupe_sdpa_gqa"
 """The attention the engine's text decoder runs (registered with transformers under this name)."""
 
 
+def gqa_in_kernel(device_type: str, masked: bool) -> bool:
+    """Whether grouped key/value heads go to SDPA as they are (`enable_gqa`) or are repeated first.
+
+    On CPU `enable_gqa` reads the grouped heads in place (torch's CPU flash kernel takes a mask and GQA). On
+    CUDA a masked call with `enable_gqa` has no fused kernel: the flash kernel refuses an explicit mask and the
+    memory-efficient kernel refuses `enable_gqa` (torch `aten/src/ATen/native/transformers/cuda/sdp_utils.cpp`,
+    `can_use_flash_attention` / `can_use_mem_efficient_attention`), so SDPA falls to the math kernel, with
+    float32 score matrices. Repeating the heads lets the memory-efficient kernel take the masked call.
+    """
+    return device_type == "cpu" or not masked
+
+
 def sdpa_gqa_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                        is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """transformers' `sdpa` attention, with grouped key/value heads handed to torch as they are.
+    """transformers' `sdpa` attention, with grouped key/value heads handed to torch as they are where a fused
+    kernel takes them (`gqa_in_kernel`).
 
     transformers' own (`integrations/sdpa_attention.py`, `use_gqa_in_sdpa`) repeats every key/value head to the
     query heads' count whenever an attention mask is given, which a padded batch always gives: a copy of the
     whole cache at every layer of every step, three times the attention's own time on CPU at 2,000 cached
-    tokens. `enable_gqa` (torch >= 2.5) reads the grouped heads in place and gives the same numbers.
+    tokens. `enable_gqa` (torch >= 2.5) reads the grouped heads in place and gives the same numbers. On CUDA the
+    repeat is what buys a fused kernel, so there the heads are repeated as transformers does.
     """
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    grouped = key.shape[1] != query.shape[1]
+    if grouped and not gqa_in_kernel(query.device.type, attention_mask is not None):
+        repeats = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
+        grouped = False
     output = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
         is_causal=query.shape[2] > 1 and attention_mask is None and causal,
-        enable_gqa=key.shape[1] != query.shape[1],
+        enable_gqa=grouped,
     )
     return output.transpose(1, 2).contiguous(), None
 

@@ -65,11 +65,17 @@ class VLLMEngine(TokenContextEngine):
         self.image_pad_id = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
         self._requests = 0
         self._ticket = 0
+        self._kv_cache_asleep = False
+        self._caches_stale = False
+        """A sync happened and the prefix and encoder caches still hold what the old weights computed."""
         self._in_flight: dict[str, tuple[int, _State, str]] = {}
         """vLLM's external request id -> (ticket, dialogue, internal id) of every turn submitted, not yet returned."""
 
     def reseed(self, seed: int) -> None:
+        """Requests from now on draw seeds `seed * 1_000_003 + 1, + 2, ...` in submission order, so a rollout is
+        a function of (weights, seed), as the transformers engine's is."""
         self.seed = seed
+        self._requests = 0
 
     def _collapse_image_pads(self, ids: list[int]) -> list[int]:
         out: list[int] = []
@@ -165,10 +171,18 @@ class VLLMEngine(TokenContextEngine):
         """Free the GPU for the learner's update: level 2 drops weights and KV cache, which the next sync and
         `wake_up` rebuild (vLLM's `LLM.sleep`; verl's colocated rollout does the same)."""
         self.llm.sleep(level=2)
+        self._kv_cache_asleep = True
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        """Reallocate what `sleep` freed: ["weights"] before a weight sync, ["kv_cache"] after it, None for all."""
+        """Reallocate what `sleep` freed: ["weights"] before a weight sync, ["kv_cache"] after it, None for all.
+
+        Caches a sync left stale are reset once the KV cache is back: resetting the prefix cache while its
+        blocks are released is not a reset of the cache the next rollout reads."""
         self.llm.wake_up(tags)
+        if tags is None or "kv_cache" in tags:
+            self._kv_cache_asleep = False
+            if self._caches_stale:
+                self._reset_caches()
 
     def init_weight_sync(self, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float) -> None:
         # Each of the engine's workers (one per tensor-parallel rank) joins as rank + its rank in the engine.
@@ -176,14 +190,39 @@ class VLLMEngine(TokenContextEngine):
 
     def receive_weights(self, manifest: list) -> int:
         loaded = self.llm.collective_rpc("receive_weights", args=(manifest,))
-        # Cached prefixes hold keys and values computed with the old weights.
-        self.llm.reset_prefix_cache()
+        self._caches_stale = True
+        if not self._kv_cache_asleep:
+            self._reset_caches()
         return int(loaded[0])
 
+    def _reset_caches(self) -> None:
+        """Forget what the old weights computed: cached prefixes (keys and values) and cached vision-encoder
+        outputs.
+
+        vLLM keys its encoder cache by image hash, so without the second reset an image seen before the sync is
+        never encoded again and the new policy is rolled out on the old vision tower's features (vLLM issue
+        44910, verl 6523). The workers' side of that cache was dropped by `reload_weights`; the scheduler's
+        bookkeeping is dropped here (`LLMEngine.reset_encoder_cache` does both), or a request for a seen image
+        fails "Encoder cache miss". `reset_prefix_cache` refuses (returns False) while requests run; a sync
+        happens between rollouts, so a refusal means a request was left in the engine, and it is an error.
+        """
+        engine = self.llm.llm_engine
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vllm: the prefix cache was not reset after a weight sync (requests still running)")
+        engine.reset_encoder_cache()
+        self._caches_stale = False
+
     def weights_format(self) -> tuple[str, str]:
+        from vllm.platforms import current_platform
+
         from loupe.rollout.weight_sync import dtype_name
 
-        return dtype_name(self.llm.llm_engine.model_config.dtype), "cuda"
+        # "cpu" for vLLM's CPU build, whose workers receive over gloo; "cuda" on a GPU.
+        return dtype_name(self.llm.llm_engine.model_config.dtype), str(current_platform.device_type)
+
+    def device_identity(self) -> list[str]:
+        """Each worker's (node, device) key, for the transport choice (weight_sync.choose_backend)."""
+        return [str(found) for found in self.llm.collective_rpc("device_identity")]
 
     def weights_digest(self) -> str:
         return str(self.llm.collective_rpc("weights_digest")[0])

@@ -18,9 +18,11 @@ engine directly. The same code runs on a laptop (gloo, the transformers engine) 
   which takes no closures and no tensors (`vllm/v1/serial_utils.py`). Both sides derive the byte offsets from
   the manifest with the one function `bucket_layout`.
 - vLLM receives through `VLLMWeightSyncExtension`, passed to `vllm.LLM` as `worker_extension_cls` (vLLM mixes
-  it into its worker class; `collective_rpc` calls its methods by name), and hands the tensors to the model's
-  own `load_weights`, which maps Hugging Face names to vLLM's fused layers (as verl's and OpenRLHF's vLLM
-  workers do: `openrlhf/trainer/ray/vllm_worker_wrap.py`, `WorkerWrap.update_weight`).
+  it into its worker class; `collective_rpc` calls its methods by name), and hands the tensors to the model
+  runner's `reload_weights`, which runs the model's own `load_weights` (Hugging Face names to vLLM's fused
+  layers, as verl's and OpenRLHF's vLLM workers do: `openrlhf/trainer/ray/vllm_worker_wrap.py`,
+  `WorkerWrap.update_weight`) inside vLLM's layerwise reload, so weights vLLM repacked at load time (every
+  linear layer on CPU) are repacked again.
 
 A bucket is one broadcast: fewer, larger messages are what make NCCL fast, and a bucket bounds the extra memory
 either side holds (the learner's cast copies, the engine's receive buffer) to `bucket_bytes`.
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import pickle
 import socket
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -119,15 +122,52 @@ def free_address() -> tuple[str, int]:
     return host, port
 
 
+def device_identity(device: torch.device | str) -> str:
+    """`<node address>/<device>`: `cpu`, or the CUDA device's UUID, which names one GPU whatever index a
+    process's CUDA_VISIBLE_DEVICES gives it (Ray shows each actor only its own GPUs, renumbered from 0)."""
+    device = torch.device(device)
+    node = free_address()[0]
+    if device.type != "cuda":
+        return f"{node}/{device.type}"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return f"{node}/{torch.cuda.get_device_properties(index).uuid}"
+
+
+def choose_backend(learner: str, engines: list[str]) -> str:
+    """The weight-sync transport for a learner and its engines' workers, given each side's `device_identity`.
+
+    - `gloo` when any side is on the CPU, or when some GPU holds two ranks but not every rank: NCCL refuses
+      two ranks on one GPU ("Duplicate GPU detected"), which happens when a one-rank learner in the driver on
+      cuda:0 and the first rollout worker, given GPU 0 by Ray, sync; or with `rl.ray.enabled: false`;
+    - `ipc` when the learner and every engine share one GPU (colocated): the learner hands CUDA IPC handles of
+      its buckets and the engines copy from them in place, no host round trip (what verl's and OpenRLHF's
+      colocated engines do: OpenRLHF `vllm_worker_wrap.py`, `update_weight_cuda_ipc`);
+    - `nccl` when every rank has a GPU of its own.
+    """
+    everyone = [learner, *engines]
+    if any(identity.endswith("/cpu") for identity in everyone):
+        return "gloo"
+    if len(set(everyone)) == 1:
+        return "ipc"
+    if len(set(everyone)) < len(everyone):
+        return "gloo"
+    return "nccl"
+
+
 class SyncGroup:
-    """This process's membership of the weight-sync group: rank 0 sends, every other rank receives."""
+    """This process's membership of the weight-sync group: rank 0 sends, every other rank receives.
+
+    `backend`: `gloo` (buckets through host memory), `nccl` (GPU to GPU) or `ipc` (one GPU shared by every
+    rank: buckets stay in the learner's memory and travel as CUDA IPC handles; gloo carries the handles and a
+    barrier per bucket). `choose_backend` picks it.
+    """
 
     def __init__(
         self, host: str, port: int, rank: int, world_size: int, backend: str = "gloo", timeout_s: float = 600.0,
         device: torch.device | str = "cpu",
     ):
-        if backend not in ("gloo", "nccl"):
-            raise ValueError(f"weight sync: backend {backend!r}; use gloo (CPU) or nccl (GPU)")
+        if backend not in ("gloo", "nccl", "ipc"):
+            raise ValueError(f"weight sync: backend {backend!r}; use gloo (CPU), nccl (a GPU a rank) or ipc (one shared GPU)")
         timeout = datetime.timedelta(seconds=timeout_s)
         self.rank, self.world_size, self.backend = rank, world_size, backend
         self.device = torch.device(device)
@@ -136,7 +176,11 @@ class SyncGroup:
         store = torch.distributed.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
         store = torch.distributed.PrefixStore("loupe-weight-sync", store)
         if backend == "nccl":
-            self.group: Any = torch.distributed.ProcessGroupNCCL(store, rank, world_size)
+            # The group's own timeout: without it a rank that never joins a broadcast hangs the others for
+            # NCCL's default of 10 minutes, whatever rl.sync_timeout_s says.
+            options = torch.distributed.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self.group: Any = torch.distributed.ProcessGroupNCCL(store, rank, world_size, options)
         else:
             self.group = torch.distributed.ProcessGroupGloo(store, rank, world_size, timeout)
         self._store = store  # the store must outlive the group
@@ -144,10 +188,59 @@ class SyncGroup:
     def broadcast(self, buffer: torch.Tensor) -> None:
         self.group.broadcast(buffer, 0).wait()
 
+    def barrier(self) -> None:
+        """Every rank has reached this point (an all-reduce of one number over the group's own connections)."""
+        self.group.allreduce([torch.zeros(1)]).wait()
+
+    def share(self, buffer: torch.Tensor) -> None:
+        """`ipc`, rank 0: hand every rank a handle to `buffer`, then wait until each has copied it out."""
+        if buffer.is_cuda:
+            torch.cuda.current_stream(buffer.device).synchronize()  # the bucket is written before others read it
+        payload = torch.frombuffer(bytearray(_ipc_handle(buffer)), dtype=torch.uint8)
+        self.broadcast(torch.tensor([payload.numel()], dtype=torch.int64))
+        self.broadcast(payload)
+        self.barrier()
+
+    def receive_shared(self) -> torch.Tensor:
+        """`ipc`, ranks 1..: a copy, in this process's memory on the same device, of the bucket rank 0 shares."""
+        size = torch.zeros(1, dtype=torch.int64)
+        self.broadcast(size)
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        self.broadcast(payload)
+        shared = pickle.loads(payload.numpy().tobytes())
+        # A copy, not the shared memory itself: vLLM's layerwise reload may hold a tensor until its layer is
+        # complete, and the learner reuses its bucket memory once the barrier says every rank is done.
+        bucket = shared.clone()
+        if bucket.is_cuda:
+            torch.cuda.current_stream(bucket.device).synchronize()
+        del shared
+        self.barrier()
+        return bucket
+
     def close(self) -> None:
         # A ProcessGroup object shuts its connections down when it is collected; drop every reference.
         self.group = None
         self._store = None
+
+
+def _ipc_handle(buffer: torch.Tensor) -> bytes:
+    """`buffer` as bytes another process on this machine can open: a CUDA IPC handle for a GPU tensor (what
+    `torch.multiprocessing` sends through its queues, `reductions.reduce_tensor`), a shared-memory file name for
+    a CPU tensor (the `file_system` strategy: a name that needs no socket between the two processes). The CPU
+    form is what the tests run; the GPU form is the colocated sync's."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing as tmp
+
+    if buffer.is_cuda:
+        return bytes(ForkingPickler.dumps(buffer))
+    before = tmp.get_sharing_strategy()
+    tmp.set_sharing_strategy("file_system")
+    try:
+        buffer.share_memory_()
+        return bytes(ForkingPickler.dumps(buffer))
+    finally:
+        tmp.set_sharing_strategy(before)
 
 
 def send_weights(group: SyncGroup | None, tensors: Iterable[tuple[str, torch.Tensor]], manifest: Manifest) -> int:
@@ -177,7 +270,10 @@ def send_weights(group: SyncGroup | None, tensors: Iterable[tuple[str, torch.Ten
             target = buffer[offset : offset + nbytes].view(dtype_from_name(dtype)).view(shape)
             target.copy_(tensor.detach())
         if group is not None and buffer is not None:
-            group.broadcast(buffer)
+            if group.backend == "ipc":
+                group.share(buffer)
+            else:
+                group.broadcast(buffer)
             sent += size
     return sent
 
@@ -189,8 +285,13 @@ def receive_weights(group: SyncGroup, manifest: Manifest) -> Iterator[tuple[str,
     """
     for bucket in manifest:
         offsets, size = bucket_layout(bucket)
-        buffer = torch.empty(size, dtype=torch.uint8, device=group.device)
-        group.broadcast(buffer)
+        if group.backend == "ipc":
+            buffer = group.receive_shared()
+            if buffer.numel() != size:
+                raise ValueError(f"weight sync: a shared bucket of {buffer.numel()} bytes, the manifest says {size}")
+        else:
+            buffer = torch.empty(size, dtype=torch.uint8, device=group.device)
+            group.broadcast(buffer)
         for (name, dtype, shape), offset in zip(bucket, offsets):
             yield name, buffer[offset : offset + _nbytes(dtype, shape)].view(dtype_from_name(dtype)).view(shape)
 
@@ -250,8 +351,21 @@ class VLLMWeightSyncExtension:
                 loaded += 1
                 yield item
 
-        self.model_runner.model.load_weights(weights=counted())  # type: ignore[attr-defined]
+        runner = self.model_runner  # type: ignore[attr-defined]
+        if hasattr(runner, "reload_weights"):
+            # vLLM's in-place reload (`GPUModelRunner.reload_weights`, which the CPU runner inherits;
+            # `model_executor/model_loader/reload/inplace.py`): it runs the model's own `load_weights` between
+            # `initialize_layerwise_reload` and `finalize_layerwise_reload`, so layers whose weights vLLM
+            # post-processed at load time get them processed again. On CPU that is every linear layer: vLLM packs
+            # it into a oneDNN handle and empties `layer.weight`, and a bare `load_weights` then asserts. It also
+            # drops this worker's encoder and multimodal caches; the scheduler's side is the engine's to reset.
+            runner.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
+        else:  # a harness whose model runner is only a holder of the model
+            runner.model.load_weights(weights=counted())
         return loaded
 
     def weights_digest(self) -> str:
         return module_digest(self.model_runner.model)  # type: ignore[attr-defined]
+
+    def device_identity(self) -> str:
+        return device_identity(getattr(self, "device", None) or "cpu")

@@ -33,7 +33,7 @@ import torch
 
 from loupe.io import atomic_directory, make_readable
 from loupe.models import load_model, load_processor, resolve_device
-from loupe.rollout.weight_sync import SyncGroup, free_address, send_weights
+from loupe.rollout.weight_sync import SyncGroup, device_identity, free_address, send_weights
 from stages.rl.batching import TrainSequence, split_evenly, token_logprobs
 from stages.rl.loss import LossConfig, loss_normaliser, policy_loss
 from stages.rl.params import RLParams
@@ -78,6 +78,19 @@ def _single_process_checkpoint(distributed: bool) -> Iterator[None]:
         if not distributed:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         yield
+
+
+def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> int:
+    """Move every tensor of the optimiser's state (AdamW's two moments and step) to `device`; returns the bytes
+    moved (0 when all were there already)."""
+    moved = 0
+    device = torch.device(device)
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.device != device:
+                state[key] = value.to(device, non_blocking=False)
+                moved += value.numel() * value.element_size()
+    return moved
 
 
 def critic_folder(learner_folder: Path) -> Path:
@@ -229,6 +242,7 @@ class Learner:
         """
         started = time.perf_counter()
         self.model.train()  # a colocated engine generates with this module in eval mode between updates
+        move_optimizer_state(self.optimizer, self.device)  # back from the host after `offload_optimizer`
         p = self.params
         sequences = [s for s in sequences if s.num_trained]
         totals: dict[str, float] = {}
@@ -399,8 +413,24 @@ class Learner:
         """Rank 0 joins the weight-sync group as its rank 0, the sender; other ranks only help gather."""
         self.sync_group = None
         if self.rank == 0:
-            device = self.device if backend == "nccl" else torch.device("cpu")
+            device = self.device if backend in ("nccl", "ipc") else torch.device("cpu")
             self.sync_group = SyncGroup(host, port, 0, world_size, backend, timeout_s, device)
+
+    def offload_optimizer(self) -> int:
+        """Before a colocated vLLM wakes: AdamW's moments (twice the policy's float32 size) to the host, and the
+        allocator's cached blocks back to the driver, so the engine's `wake_up` finds the memory it gave up.
+        verl's hybrid engine does the same before waking its rollout (`offload_fsdp_optimizer`, then
+        `empty_cache`); `update` brings the moments back. Returns the bytes moved."""
+        moved = move_optimizer_state(self.optimizer, "cpu")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+        return moved
+
+    def device_identity(self) -> str:
+        """This rank's (node, device) key (weight_sync.device_identity): the transport choice compares it with
+        the engines'."""
+        return device_identity(self.device)
 
     def send_weights(self, manifest: list) -> int:
         """Broadcast the policy to the engines, bucket by bucket; every rank walks the tensors (sharded ones

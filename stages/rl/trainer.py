@@ -161,6 +161,23 @@ def read_inputs(params_path: Path, model_path: Path, tasks_dir: Path, section: s
     return Inputs(seed, params, protocol, rollout, Path(model_path), Path(tasks_dir), train, val, markers)
 
 
+def logprob_gap(engine: list[torch.Tensor], learner: list[torch.Tensor]) -> dict[str, float]:
+    """How far the engine's log-probs of its sampled tokens are from the learner's on the same tokens: the mean,
+    99th percentile and largest absolute difference over every trained token.
+
+    The one number that shows the rollout engine and the learner agree: the same weights (the sync), the same
+    prompt tokens and images, the same temperature, the same sampler's log-prob form. A broken sync or a stale
+    vision-encoder cache shows as a gap of whole nats; numerics alone (bf16 against float32, fused kernels)
+    leave hundredths (docs/rl.md, "The engine/learner log-prob gap").
+    """
+    diffs = [(a.float() - b.float()).abs() for a, b in zip(engine, learner) if a.numel()]
+    if not diffs:
+        return {}
+    flat = torch.cat(diffs)
+    return {"logprob_gap_mean": float(flat.mean()), "logprob_gap_p99": float(torch.quantile(flat, 0.99)),
+            "logprob_gap_max": float(flat.max())}
+
+
 def wrote_vision_marker(t: Trajectory, markers: frozenset[int]) -> bool:
     """Whether the model itself sampled an image/video marker token.
 
@@ -254,7 +271,9 @@ class Trainer:
             self.learner: Any = LearnerGroup(str(i.model_path), p, i.rollout.temperature, i.generation_budget, p.learner_ranks)
         else:
             self.learner = Learner(i.model_path, p, i.rollout.temperature, i.generation_budget)
-        colocated = self.learner.model if p.ray.colocate else None
+        # Only the transformers engine generates with the learner's own module; colocated vLLM is a Ray actor on
+        # a share of the learner's GPU that sleeps through updates and receives weights like any engine.
+        colocated = self.learner.model if p.ray.colocate and i.rollout.engine == "transformers" else None
         self.workers = WorkerSet(
             str(i.model_path), i.rollout, i.protocol, str(i.tasks_dir), p, i.seed, self.use_ray, colocated_model=colocated
         )
@@ -274,16 +293,20 @@ class Trainer:
 
     def _connect_weights(self) -> None:
         """Form the weight-sync group (learner rank 0 + one rank per rollout engine) and plan its buckets."""
-        from loupe.rollout.weight_sync import dtype_from_name, plan_manifest
+        from loupe.rollout.weight_sync import choose_backend, dtype_from_name, plan_manifest
 
         p = self.params
-        dtype, engine_device = self.workers.weights_format()
+        dtype, _ = self.workers.weights_format()
         self.manifest = plan_manifest(self.learner.weight_specs(), dtype_from_name(dtype), p.sync_bucket_mb << 20)
-        # A sharded learner always runs on GPUs; a single one wherever it was put.
-        learner_on_gpu = p.learner_ranks > 1 or str(self.learner.device).startswith("cuda")
-        # NCCL refuses two ranks on one GPU, so an engine colocated on the learner's GPU syncs over gloo.
-        backend = "nccl" if learner_on_gpu and engine_device == "cuda" and not p.ray.colocate else "gloo"
-        self.workers.connect_weights(self.learner, 1 + p.ray.num_workers, backend, p.sync_timeout_s)
+        if self.workers.colocated:  # the engine generates with the learner's own module: nothing to send
+            self.sync_backend = "none"
+            return
+        # By where each rank's weights live, not by configuration: NCCL refuses two ranks on one GPU, which a
+        # one-rank learner on cuda:0 and a worker Ray put on GPU 0 would be (weight_sync.choose_backend).
+        engines = self.workers.device_identities()
+        self.sync_backend = choose_backend(self.learner.device_identity(), engines)
+        self.workers.connect_weights(self.learner, 1 + len(engines), self.sync_backend, p.sync_timeout_s)
+        self.run.set_tags({"rl.weight_sync_backend": self.sync_backend})
 
     def _stop(self) -> None:
         for part in ("workers", "learner"):
@@ -433,7 +456,9 @@ class Trainer:
         self.workers.sleep()  # colocated vLLM gives the GPU to the learner until the weights are back
         if trained:
             if p.logprob_source == "recompute":
-                for s, old in zip(trained, self.learner.logprobs(trained)):
+                recomputed = self.learner.logprobs(trained)
+                timing.update(logprob_gap([s.old_logprobs for s in trained], recomputed))
+                for s, old in zip(trained, recomputed):
                     s.old_logprobs = old
             if p.kl.coef > 0:
                 for s, ref in zip(trained, self.learner.logprobs(trained, reference=True)):
@@ -453,6 +478,8 @@ class Trainer:
                     s.advantage = float(a)
             train_policy = not (p.recipe.critic and step <= p.critic.warmup_steps)
             update = self.learner.update(trained, train_policy=train_policy)
+            if self.workers.sleeps:  # a colocated vLLM is about to take its memory back
+                self.learner.offload_optimizer()
             timing["ahead_wait"] = self._finish_ahead(started_ahead)
             if train_policy:
                 sync_started = time.perf_counter()
@@ -483,6 +510,9 @@ class Trainer:
                 "batch/over_turn_masked": sum(1 for t, (tr, _) in zip(batch, flags) if not tr and t.end_reason == "over_turn"),
                 "batch/overlong_masked": sum(1 for t, (tr, _) in zip(batch, flags) if not tr and t.end_reason == "length"),
                 "batch/vision_marker_masked": sum(1 for t in batch if wrote_vision_marker(t, self.inputs.vision_markers)),
+                "rollout/logprob_gap_mean": timing.get("logprob_gap_mean"),
+                "rollout/logprob_gap_p99": timing.get("logprob_gap_p99"),
+                "rollout/logprob_gap_max": timing.get("logprob_gap_max"),
                 "time/rollout": timing["rollout"],
                 "time/reward": timing["reward"],
                 "time/update": timing["update"],

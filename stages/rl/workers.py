@@ -111,6 +111,9 @@ class RolloutWorker:
     def weights_format(self) -> tuple[str, str]:
         return self.engine.weights_format()
 
+    def device_identity(self) -> list[str]:
+        return self.engine.device_identity()
+
     def sleep(self) -> None:
         self.engine.sleep()
 
@@ -284,6 +287,10 @@ class WorkerSet:
         """(dtype, device type) of the rollout engines' weights (worker 0's; every worker runs the same engine)."""
         return tuple(self._call([(self.workers[0], "weights_format", ())])[0])  # type: ignore[return-value]
 
+    def device_identities(self) -> list[str]:
+        """Every engine worker's (node, device) key, in rank order (weight_sync.choose_backend)."""
+        return [identity for found in self._call([(w, "device_identity", ()) for w in self.workers]) for identity in found]
+
     def weights_digests(self) -> list[str]:
         return self._call([(w, "weights_digest", ()) for w in self.workers])
 
@@ -301,8 +308,12 @@ class WorkerSet:
         if self.colocated:  # the engine generates with the learner's own module
             return
         host, port = learner.sync_address()
+        # Worker i's first rank: 1 + the receiving processes of the workers before it (a tensor-parallel vLLM
+        # engine has one a GPU).
+        sizes = [len(found) for found in self._call([(w, "device_identity", ()) for w in self.workers])]
+        firsts = [1 + sum(sizes[:i]) for i in range(len(sizes))]
         pending = self._start(
-            [(w, "init_weight_sync", (host, port, 1 + i, world_size, backend, timeout_s)) for i, w in enumerate(self.workers)]
+            [(w, "init_weight_sync", (host, port, firsts[i], world_size, backend, timeout_s)) for i, w in enumerate(self.workers)]
         )
         learner.init_weight_sync(host, port, world_size, backend, timeout_s)
         self._finish(pending)
@@ -500,6 +511,12 @@ class LearnerGroup:
 
     def weight_specs(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         return self._all("weight_specs")[0]
+
+    def device_identity(self) -> str:
+        return self._all("device_identity")[0]
+
+    def offload_optimizer(self) -> int:
+        return self._all("offload_optimizer")[0]
 
     def sync_address(self) -> tuple[str, int]:
         import ray
