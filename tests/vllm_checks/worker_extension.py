@@ -94,6 +94,7 @@ def check(result: dict) -> None:
     result["learner"] = learner_side
     result["loaded"] = loaded
     result["prefix_cache_resets"] = core.prefix_cache_resets
+    result["encoder_cache_resets"] = core.encoder_cache_resets
     digest = engine.weights_digest()
 
     # The reference: the same state dict, cast as the manifest casts it, given to the same model's
