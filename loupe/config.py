@@ -143,7 +143,8 @@ class RolloutParams(Section):
     """The multi-turn loop's engine and sampling settings, shared by synth, rl and eval."""
 
     engine: Literal["transformers", "vllm", "openai"] = "transformers"
-    """Who generates: transformers (CPU or GPU), vllm (GPU) or an OpenAI-compatible endpoint."""
+    """Who generates: transformers (CPU or GPU), vllm (GPU, or vLLM's CPU build: `make vllm-venv`) or an
+    OpenAI-compatible endpoint."""
     temperature: float = Field(1.0, ge=0)
     """Sampling temperature; 0 is greedy."""
     top_p: float = Field(1.0, gt=0, le=1)
