@@ -46,7 +46,7 @@ fi
 gpu_base() {
     case "$1" in
         sft) echo "hiyouga/llamafactory:0.9.5" ;;
-        rl|eval) echo "vllm/vllm-openai:v0.33.0" ;;
+        rl|eval) echo "vllm/vllm-openai:v0.32.0" ;;
         *) echo "python:3.11-slim" ;;
     esac
 }

@@ -69,7 +69,7 @@ def test_gpu_stages_default_to_their_framework_images():
     bases = {s: re.search(r"^ARG BASE_IMAGE=(\S+)$", (CONTAINERS / s / "Dockerfile").read_text(), re.MULTILINE).group(1)
              for s in STAGES}
     assert bases == {"synth": "python:3.11-slim", "sft": "hiyouga/llamafactory:0.9.5",
-                     "rl": "vllm/vllm-openai:v0.33.0", "eval": "vllm/vllm-openai:v0.33.0"}
+                     "rl": "vllm/vllm-openai:v0.32.0", "eval": "vllm/vllm-openai:v0.32.0"}
 
 
 @pytest.mark.parametrize("name", list(locks.TARGETS))

