@@ -65,7 +65,7 @@ def unstreamed(params_path: Path, model: Path, out: Path) -> None:
     from loupe.rollout import make_engine, run_rollouts
     from loupe.trajectory import write_trajectories
     from loupe.viewer import render_html
-    from stages.eval.metrics import result_rows, summarize
+    from loupe.sample_metrics import result_rows, summarize
     from stages.eval.params import EvalParams
 
     protocol = load_section(ProtocolParams, "protocol", params_path)

@@ -196,7 +196,7 @@ def sync_tiny(learner: Learner, model_dir: Path, rollout: RolloutParams, protoco
 
     workers = WorkerSet(str(model_dir), rollout, protocol, str(data), params.model_copy(
         update={"ray": params.ray.model_copy(update={"num_workers": args.sync_workers})}), args.seed, use_ray=False)
-    workers.connect_weights(learner, 1 + args.sync_workers, "gloo", 60)
+    workers.connect_weights(learner, workers.device_identities(), "gloo", 60)
     manifest = plan_manifest(learner.weight_specs(), torch.float32, params.sync_bucket_mb << 20)
     broadcast, copied = [], []
     for _ in range(args.repeats):

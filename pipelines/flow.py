@@ -90,7 +90,7 @@ def stage_log_path(root: Path, stage: str) -> Path:
 
 def log_prefect_to_file(root: Path) -> Path:
     """Prefect's own records (the temporary server, flow and task states) into `work/logs/flow.log`; its
-    console handler shows warnings and errors only (loupe/cli.py sets PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL
+    console handler shows warnings and errors only (pipelines/cli.py sets PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL
     before Prefect is imported)."""
     path = root / LOG_DIR / "flow.log"
     path.parent.mkdir(parents=True, exist_ok=True)

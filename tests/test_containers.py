@@ -230,7 +230,7 @@ def test_loupe_stage_execs_the_container_engine(tmp_path):
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FAKE_ENGINE_RECORD": str(record),
            "LOUPE_PARENT_RUN_ID": "parent-1", "LOUPE_CONTAINER_GPUS": "none"}
     env.pop("LOUPE_IN_CONTAINER", None)
-    result = subprocess.run([sys.executable, "-m", "loupe.cli", "stage", "eval", "--in-container", "--params",
+    result = subprocess.run([sys.executable, "-m", "pipelines.cli", "stage", "eval", "--in-container", "--params",
                              "params.yaml", "--out", "work/eval"],
                             cwd=ROOT, env=env, capture_output=True, text=True, check=False)
     assert result.returncode == 7, result.stderr  # the engine's own exit status comes back
@@ -242,11 +242,11 @@ def test_loupe_stage_execs_the_container_engine(tmp_path):
 
 def test_loupe_stage_runs_locally_without_a_container(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("LOUPE_CONTAINER", "LOUPE_IN_CONTAINER")}
-    result = subprocess.run([sys.executable, "-m", "loupe.cli", "stage", "eval", "--help"], cwd=ROOT, env=env,
+    result = subprocess.run([sys.executable, "-m", "pipelines.cli", "stage", "eval", "--help"], cwd=ROOT, env=env,
                             capture_output=True, text=True, check=False)
     assert result.returncode == 0 and "--model" in result.stdout  # stages.eval's own usage
     env["LOUPE_IN_CONTAINER"] = "1"  # inside an image, even --in-container runs here
-    result = subprocess.run([sys.executable, "-m", "loupe.cli", "stage", "eval", "--in-container", "--help"],
+    result = subprocess.run([sys.executable, "-m", "pipelines.cli", "stage", "eval", "--in-container", "--help"],
                             cwd=ROOT, env=env, capture_output=True, text=True, check=False)
     assert result.returncode == 0 and "--model" in result.stdout
 
@@ -258,7 +258,7 @@ def test_loupe_stage_names_a_missing_image(tmp_path):
     (bin_dir / "docker").chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "LOUPE_CONTAINER": "docker"}
     env.pop("LOUPE_IN_CONTAINER", None)
-    result = subprocess.run([sys.executable, "-m", "loupe.cli", "stage", "synth", "--params", "params.yaml"],
+    result = subprocess.run([sys.executable, "-m", "pipelines.cli", "stage", "synth", "--params", "params.yaml"],
                             cwd=ROOT, env=env, capture_output=True, text=True, check=False)
     assert result.returncode == 2 and "loupe-synth:latest not found" in result.stderr and "make images" in result.stderr
 

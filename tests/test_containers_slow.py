@@ -58,7 +58,7 @@ def case(tmp_path_factory, tiny_model_dir) -> dict[str, Path]:
     params["synth"].update(limit=4, samples_per_task=2, shard_tasks=2)
     params["eval"].update(samples=2, max_turns=4, benchmarks=[{"name": "synthetic", "path": str(base / "tasks")}])
     (base / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    _run([sys.executable, "-m", "loupe.cli", "data", "tasks", "--out", str(base / "tasks"),
+    _run([sys.executable, "-m", "pipelines.cli", "data", "tasks", "--out", str(base / "tasks"),
           "--params", str(base / "params.yaml")])
     return {"base": base, "params": base / "params.yaml", "tasks": base / "tasks", "model": tiny_model_dir}
 
@@ -90,10 +90,10 @@ def _local_then_container(stage: str, args: list[str], out: Path, tmp: Path) -> 
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}", "LOUPE_TRACKING": "on",
            "LOUPE_EXPERIMENT": "containers-test"}
     env.pop("LOUPE_CONTAINER", None)
-    _run([sys.executable, "-m", "loupe.cli", "stage", stage, "--local", *args, "--out", str(out)], env)
+    _run([sys.executable, "-m", "pipelines.cli", "stage", stage, "--local", *args, "--out", str(out)], env)
     local = _contents(out)
     out.rename(out.with_name(out.name + "-local"))
-    result = _run([sys.executable, "-m", "loupe.cli", "stage", stage, *args, "--out", str(out)],
+    result = _run([sys.executable, "-m", "pipelines.cli", "stage", stage, *args, "--out", str(out)],
                   {**env, "LOUPE_CONTAINER": "podman"})
     assert f"in loupe-{stage}:latest (podman)" in result.stderr
     return local, _contents(out), env

@@ -24,7 +24,7 @@ from loupe.compare import comparison_table, is_comparison
 from loupe.data.tasks import TaskRecord
 from pipelines.summary import comparison_text, key_metrics, stage_metrics
 from stages.eval.comparison import bootstrap_interval, compare, question_accuracies
-from stages.eval.metrics import SampleRecord, summarize
+from loupe.sample_metrics import SampleRecord, summarize
 
 # --- The interval -----------------------------------------------------------------------------------------------
 

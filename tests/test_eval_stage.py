@@ -11,7 +11,7 @@ import yaml
 from loupe.data.synthetic import SyntheticConfig, generate_tasks
 from loupe.trajectory import Trajectory, Turn, read_trajectories
 from stages.eval.__main__ import main as eval_main
-from stages.eval.metrics import SampleRecord, correct_within, summarize, valid_turn_rate
+from loupe.sample_metrics import SampleRecord, correct_within, summarize, valid_turn_rate
 from stages.eval.params import EvalParams
 
 

@@ -34,7 +34,7 @@ from loupe.trajectory import (
     read_trajectories,
     write_trajectories,
 )
-from stages.eval.metrics import SampleRecord, result_rows, summarize
+from loupe.sample_metrics import SampleRecord, result_rows, summarize
 from stages.eval.params import EvalParams
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -72,7 +72,7 @@ def stage_command(stage: str, params: dict, params_file: Path, work: Path) -> li
     if argv[0] == "python":
         return [sys.executable, *argv[1:]]
     assert argv[0] == "loupe", command
-    return [sys.executable, "-m", "loupe.cli", *argv[1:]]
+    return [sys.executable, "-m", "pipelines.cli", *argv[1:]]
 
 
 def _with_option(argv: list[str], option: str, value: str) -> list[str]:

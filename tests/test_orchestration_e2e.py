@@ -73,7 +73,7 @@ def test_loupe_run_end_to_end_then_everything_is_skipped(tmp_path):
     import mlflow
 
     repo = scratch_copy(tmp_path / "repo", reduced_params(tmp_path / "params.yaml"))
-    first = loupe(repo, "loupe.cli", "run")
+    first = loupe(repo, "pipelines.cli", "run")
     assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-4000:]
     rows = table_rows(first.stdout)
     assert list(rows) == STAGES and all(" ran " in rows[s] for s in STAGES), first.stdout[-3000:]
@@ -127,7 +127,7 @@ def test_loupe_run_end_to_end_then_everything_is_skipped(tmp_path):
     assert version.tags["dvc.md5"] == children["rl"].data.tags["dvc.out.work/rl/model"]
 
     # A second run finds nothing to do.
-    second = loupe(repo, "loupe.cli", "run")
+    second = loupe(repo, "pipelines.cli", "run")
     assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-4000:]
     rows = table_rows(second.stdout)
     assert all(" skipped " in rows[s] for s in STAGES), second.stdout[-3000:]

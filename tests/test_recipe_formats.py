@@ -129,7 +129,7 @@ def test_bad_rows_name_file_row_and_field(tmp_path, row, message):
 
 
 def test_loupe_data_import_command(tmp_path, capsys):
-    from loupe.cli import main
+    from pipelines.cli import main
 
     assert main(["data", "import", "lmm_r1", "--train", str(FIXTURES / "lmm_r1" / "test_message.jsonl"),
                  "--out", str(tmp_path / "tasks"), "--limit", "1"]) == 0

@@ -122,7 +122,7 @@ def test_a_workspace_is_a_dvc_project_of_the_recipes_shape(tmp_path):
 
 
 def test_loupe_run_refuses_a_reshaped_params_yaml(tmp_path, monkeypatch, capsys):
-    from loupe.cli import main
+    from pipelines.cli import main
 
     (tmp_path / "dvc.yaml").write_text((ROOT / "dvc.yaml").read_text())
     (tmp_path / "params.yaml").write_text("pipeline: {sft: false}\n")

@@ -46,7 +46,7 @@ def test_the_cpu_twin_runs_end_to_end_and_rl_raises_its_reward(recipe, tmp_path)
     env.pop("LOUPE_PARENT_RUN_ID", None)
     env.pop("MLFLOW_TRACKING_URI", None)  # the clone's workspace keeps its own store
     started = time.perf_counter()
-    run = subprocess.run([sys.executable, "-m", "loupe.cli", "run", "--params", f"params/{recipe}-cpu.yaml"],
+    run = subprocess.run([sys.executable, "-m", "pipelines.cli", "run", "--params", f"params/{recipe}-cpu.yaml"],
                          cwd=clone, env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - started
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

@@ -134,6 +134,6 @@ def test_mlflow_artefacts_and_registered_model_round_trip_through_s3(tmp_path, s
 
 def test_loupe_remote_command_needs_the_variable(tmp_path, monkeypatch):
     monkeypatch.delenv("LOUPE_DVC_REMOTE", raising=False)
-    done = subprocess.run([sys.executable, "-m", "loupe.cli", "remote"], cwd=tmp_path, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "pipelines.cli", "remote"], cwd=tmp_path, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     assert done.returncode == 2 and "LOUPE_DVC_REMOTE is not set" in done.stderr

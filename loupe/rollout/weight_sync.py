@@ -107,26 +107,29 @@ def manifest_names(manifest: Manifest) -> list[str]:
     return [entry[0] for bucket in manifest for entry in bucket]
 
 
-def free_address() -> tuple[str, int]:
-    """This node's address (as Ray sees it, else loopback) and a free TCP port: a rendezvous for a group whose
-    rank 0 runs here."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        port = sock.getsockname()[1]
+def node_address() -> str:
+    """This node's address as Ray sees it, else loopback."""
     try:
         import ray
 
-        host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
     except (ImportError, RuntimeError, OSError):
-        host = "127.0.0.1"
-    return host, port
+        return "127.0.0.1"
+
+
+def free_address() -> tuple[str, int]:
+    """This node's address and a free TCP port: a rendezvous for a group whose rank 0 runs here."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        port = sock.getsockname()[1]
+    return node_address(), port
 
 
 def device_identity(device: torch.device | str) -> str:
     """`<node address>/<device>`: `cpu`, or the CUDA device's UUID, which names one GPU whatever index a
     process's CUDA_VISIBLE_DEVICES gives it (Ray shows each actor only its own GPUs, renumbered from 0)."""
     device = torch.device(device)
-    node = free_address()[0]
+    node = node_address()
     if device.type != "cuda":
         return f"{node}/{device.type}"
     index = device.index if device.index is not None else torch.cuda.current_device()

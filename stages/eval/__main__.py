@@ -66,7 +66,7 @@ from loupe.tracking import stage_run
 from loupe.trajectory import JsonlWriter, Trajectory
 from loupe.viewer import render_html
 from stages.eval.comparison import compare, comparison_plot, turn_scaling_rows
-from stages.eval.metrics import SampleRecord, summarize
+from loupe.sample_metrics import SampleRecord, summarize
 from stages.eval.params import EvalParams
 
 BARE_MODEL_NAME = "model"

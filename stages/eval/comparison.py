@@ -25,7 +25,7 @@ from scipy import stats  # noqa: E402
 
 from loupe.data.tasks import TaskRecord, chance_rate  # noqa: E402
 from loupe.plots import save_figure  # noqa: E402
-from stages.eval.metrics import SampleRecord, correct_within  # noqa: E402
+from loupe.sample_metrics import SampleRecord, correct_within  # noqa: E402
 
 CONFIDENCE = 0.95
 RESAMPLES = 2000

@@ -41,7 +41,7 @@ from loupe.io import atomic_write_json
 from loupe.tracking import NullRun, StageRun
 from loupe.trajectory import Trajectory
 from loupe.viewer import render_html
-from stages.eval.metrics import summarize
+from loupe.sample_metrics import summarize
 from stages.rl import checkpoint as ckpt
 from stages.rl.advantages import compute_advantages, gae, groups_with_signal
 from stages.rl.batching import TrainSequence
@@ -303,9 +303,10 @@ class Trainer:
             return
         # By where each rank's weights live, not by configuration: NCCL refuses two ranks on one GPU, which a
         # one-rank learner on cuda:0 and a worker Ray put on GPU 0 would be (weight_sync.choose_backend).
-        engines = self.workers.device_identities()
+        identities = self.workers.device_identities()
+        engines = [identity for found in identities for identity in found]
         self.sync_backend = choose_backend(self.learner.device_identity(), engines)
-        self.workers.connect_weights(self.learner, 1 + len(engines), self.sync_backend, p.sync_timeout_s)
+        self.workers.connect_weights(self.learner, identities, self.sync_backend, p.sync_timeout_s)
         self.run.set_tags({"rl.weight_sync_backend": self.sync_backend})
 
     def _stop(self) -> None:

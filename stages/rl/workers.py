@@ -287,9 +287,10 @@ class WorkerSet:
         """(dtype, device type) of the rollout engines' weights (worker 0's; every worker runs the same engine)."""
         return tuple(self._call([(self.workers[0], "weights_format", ())])[0])  # type: ignore[return-value]
 
-    def device_identities(self) -> list[str]:
-        """Every engine worker's (node, device) key, in rank order (weight_sync.choose_backend)."""
-        return [identity for found in self._call([(w, "device_identity", ()) for w in self.workers]) for identity in found]
+    def device_identities(self) -> list[list[str]]:
+        """Each worker's receiving processes' (node, device) keys, in rank order (weight_sync.choose_backend):
+        one for a transformers engine, one a GPU for a tensor-parallel vLLM engine."""
+        return self._call([(w, "device_identity", ()) for w in self.workers])
 
     def weights_digests(self) -> list[str]:
         return self._call([(w, "weights_digest", ()) for w in self.workers])
@@ -303,14 +304,14 @@ class WorkerSet:
         if self.sleeps:
             self._call([(w, "wake_up", (tags,)) for w in self.workers])
 
-    def connect_weights(self, learner: Any, world_size: int, backend: str, timeout_s: float) -> None:
-        """Form the weight-sync group: the learner's rank 0 as rank 0, worker i as rank 1 + i."""
+    def connect_weights(self, learner: Any, identities: list[list[str]], backend: str, timeout_s: float) -> None:
+        """Form the weight-sync group: the learner's rank 0 as rank 0, then each worker's receiving processes
+        (`identities`, from `device_identities`) in order."""
         if self.colocated:  # the engine generates with the learner's own module
             return
         host, port = learner.sync_address()
-        # Worker i's first rank: 1 + the receiving processes of the workers before it (a tensor-parallel vLLM
-        # engine has one a GPU).
-        sizes = [len(found) for found in self._call([(w, "device_identity", ()) for w in self.workers])]
+        sizes = [len(found) for found in identities]
+        world_size = 1 + sum(sizes)
         firsts = [1 + sum(sizes[:i]) for i in range(len(sizes))]
         pending = self._start(
             [(w, "init_weight_sync", (host, port, firsts[i], world_size, backend, timeout_s)) for i, w in enumerate(self.workers)]
