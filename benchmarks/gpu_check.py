@@ -1,9 +1,10 @@
 """The device check: the GPU-only paths of the rl stage, measured on one GPU with only torch and transformers.
 
 Prints, each against its alternative measured in the same run:
-1. attention: which SDPA kernels take the transformers engine's masked grouped-query call as shipped
-   (`kv_batch.sdpa_gqa_attention`: heads repeated under a CUDA mask) against `enable_gqa` with the mask, and
-   their times at 7B head shapes (a decode step, an image prefill);
+1. attention: which SDPA kernels take the transformers engine's masked grouped-query call with `enable_gqa`
+   and with the heads repeated (what `kv_batch.gqa_in_kernel` decides between: torch's source says CUDA's
+   memory-efficient kernel takes the first), and the times of the shipped call against `enable_gqa` at 7B head
+   shapes (a decode step, an image prefill);
 2. the weight-sync transport the rule picks (`weight_sync.choose_backend`) for a learner and an engine on this
    GPU, and the GiB/s of each transport one GPU allows for a 7B-shaped slice (4 decoder layers of Qwen2.5-VL-7B,
    bf16): `ipc` (a second process copies from the learner's buckets by handle) and `gloo` (through host

@@ -1,4 +1,4 @@
-"""CPU tests for code paths that only a GPU takes: the attention kernel choice under a CUDA device, the order in
+"""CPU tests for code paths that only a GPU takes: the attention kernel choice on CUDA and ROCm, the order in
 which vLLM's caches are reset around sleep and a weight sync, and the optimiser's offload before a colocated
 engine wakes. The paths run on a GPU in `benchmarks/gpu_check.py`; here each decision is checked on its own."""
 
@@ -14,11 +14,13 @@ from loupe.rollout.vllm_engine import VLLMEngine
 from stages.rl.learner import move_optimizer_state
 
 
-def test_grouped_heads_go_to_the_kernel_on_cpu_and_are_repeated_under_a_cuda_mask():
+def test_grouped_heads_go_to_the_kernel_except_where_no_fused_kernel_takes_them_masked():
     assert kv_batch.gqa_in_kernel("cpu", masked=True) and kv_batch.gqa_in_kernel("cpu", masked=False)
-    # CUDA: flash refuses a mask, memory-efficient refuses enable_gqa: a masked grouped call is repeated first.
-    assert not kv_batch.gqa_in_kernel("cuda", masked=True)
-    assert kv_batch.gqa_in_kernel("cuda", masked=False)
+    # CUDA: the memory-efficient kernel takes a mask and grouped heads; ROCm's takes no grouped heads, and flash
+    # no mask, so there a masked grouped call is repeated first.
+    assert kv_batch.gqa_in_kernel("cuda", masked=True, rocm=False)
+    assert not kv_batch.gqa_in_kernel("cuda", masked=True, rocm=True)
+    assert kv_batch.gqa_in_kernel("cuda", masked=False, rocm=True)
 
 
 def test_the_repeated_heads_path_gives_the_same_attention(monkeypatch):
@@ -34,7 +36,7 @@ def test_the_repeated_heads_path_gives_the_same_attention(monkeypatch):
         sent.append({"key_heads": args[1].shape[1], "enable_gqa": kwargs["enable_gqa"]})
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(kv_batch, "gqa_in_kernel", lambda device_type, masked: False)  # as on CUDA with a mask
+    monkeypatch.setattr(kv_batch, "gqa_in_kernel", lambda device_type, masked: False)  # as on ROCm with a mask
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     repeated, _ = kv_batch.sdpa_gqa_attention(module, query, key, value, mask)
     assert sent == [{"key_heads": 4, "enable_gqa": False}]

@@ -268,16 +268,19 @@ GQA_SDPA = "loupe_sdpa_gqa"
 """The attention the engine's text decoder runs (registered with transformers under this name)."""
 
 
-def gqa_in_kernel(device_type: str, masked: bool) -> bool:
+def gqa_in_kernel(device_type: str, masked: bool, rocm: bool | None = None) -> bool:
     """Whether grouped key/value heads go to SDPA as they are (`enable_gqa`) or are repeated first.
 
-    On CPU `enable_gqa` reads the grouped heads in place (torch's CPU flash kernel takes a mask and GQA). On
-    CUDA a masked call with `enable_gqa` has no fused kernel: the flash kernel refuses an explicit mask and the
-    memory-efficient kernel refuses `enable_gqa` (torch `aten/src/ATen/native/transformers/cuda/sdp_utils.cpp`,
-    `can_use_flash_attention` / `can_use_mem_efficient_attention`), so SDPA falls to the math kernel, with
-    float32 score matrices. Repeating the heads lets the memory-efficient kernel take the masked call.
+    Read in torch's kernel selection (`aten/src/ATen/native/transformers/cuda/sdp_utils.cpp`,
+    `can_use_mem_efficient_attention`): the flash kernel takes no explicit mask, and the memory-efficient kernel
+    takes a mask and, on CUDA, grouped heads (`supports_gqa = true`), so a masked `enable_gqa` call runs fused
+    there; on ROCm that kernel takes no grouped heads (`supports_gqa = false`) and the call would fall to the
+    math kernel, with float32 score matrices, unless the heads are repeated first. On CPU `enable_gqa` reads the
+    grouped heads in place. `benchmarks/gpu_check.py` shows which kernels take each form on the GPU it runs on.
     """
-    return device_type == "cpu" or not masked
+    if rocm is None:
+        rocm = torch.version.hip is not None
+    return device_type == "cpu" or not masked or not rocm
 
 
 def sdpa_gqa_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -289,8 +292,8 @@ def sdpa_gqa_attention(module: Any, query: torch.Tensor, key: torch.Tensor, valu
     transformers' own (`integrations/sdpa_attention.py`, `use_gqa_in_sdpa`) repeats every key/value head to the
     query heads' count whenever an attention mask is given, which a padded batch always gives: a copy of the
     whole cache at every layer of every step, three times the attention's own time on CPU at 2,000 cached
-    tokens. `enable_gqa` (torch >= 2.5) reads the grouped heads in place and gives the same numbers. On CUDA the
-    repeat is what buys a fused kernel, so there the heads are repeated as transformers does.
+    tokens. `enable_gqa` (torch >= 2.5) reads the grouped heads in place and gives the same numbers. Where no
+    fused kernel takes a masked grouped call (ROCm), the heads are repeated as transformers does.
     """
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     grouped = key.shape[1] != query.shape[1]
