@@ -59,11 +59,22 @@ def dvc_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "dvc", *args]
 
 
+PINNED_CPU_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+"""The CPU kernel set every stage computes with: torch's own kernels, MKL's and oneDNN's at AVX2, which every x86
+CPU here has. The embedded default trains a tiny model from scratch, and its outcome follows the last bits of
+each matmul: on an Intel Xeon with AVX-512 and AMX the unpinned default ended at SFT 0.512 where an AMD EPYC gave
+0.925, and pinned at AVX2 that Xeon gives SFT 0.940 (docs/learning.md, "CPU kernel sets"). A variable the caller
+set is kept (`ATEN_CPU_CAPABILITY=avx512` runs the machine's own); GPU compute is not affected."""
+
+
 def stage_environment(base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment every stage process gets: this interpreter's scripts first on PATH (dvc.yaml's
     `python -m ...` must find the same environment), no analytics, unbuffered output, an absolute MLflow store
-    (a `dvc exp` temporary workspace or a container writes to the same runs) and the parent run's id."""
+    (a `dvc exp` temporary workspace or a container writes to the same runs), the parent run's id, and the CPU
+    kernel set pinned (`PINNED_CPU_KERNELS`, where the caller has not set its own)."""
     env = dict(os.environ if base is None else base)
+    for name, value in PINNED_CPU_KERNELS.items():
+        env.setdefault(name, value)
     bin_dir = str(Path(sys.executable).parent)
     env["PATH"] = os.pathsep.join([bin_dir, *[p for p in env.get("PATH", "").split(os.pathsep) if p and p != bin_dir]])
     env["DVC_NO_ANALYTICS"] = "1"

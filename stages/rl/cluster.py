@@ -47,12 +47,13 @@ if TYPE_CHECKING:
 PASSED_PREFIXES = (
     "NCCL_", "GLOO_", "TORCH_", "TORCHINDUCTOR_", "TORCHDYNAMO_", "PYTORCH_", "CUDA_",
     "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "VLLM_",
-    "OMP_", "MKL_", "OPENBLAS_", "LOUPE_", "MLFLOW_",
+    "OMP_", "MKL_", "OPENBLAS_", "ONEDNN_", "ATEN_", "LOUPE_", "MLFLOW_",
 )
 """Prefixes of variables passed to actors: settings of the collectives (NCCL_SOCKET_IFNAME, NCCL_DEBUG,
 GLOO_SOCKET_IFNAME, TORCH_NCCL_*), of torch (TORCH_*, PYTORCH_CUDA_ALLOC_CONF, CUDA_LAUNCH_BLOCKING), of the
 Hugging Face libraries (HF_HUB_OFFLINE, HF_HOME, TRANSFORMERS_OFFLINE, TOKENIZERS_PARALLELISM), of vLLM, of
-the CPU thread pools (OMP_NUM_THREADS, MKL_NUM_THREADS) and of Loupe and MLflow themselves."""
+the CPU thread pools and kernel sets (OMP_NUM_THREADS, MKL_NUM_THREADS, MKL_ENABLE_INSTRUCTIONS,
+ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY) and of Loupe and MLflow themselves."""
 
 PASSED_NAMES = ("PYTHONHASHSEED",)
 """Variables passed by exact name."""
