@@ -2,9 +2,8 @@
 
 Prints, each against its alternative measured in the same run:
 1. attention: which SDPA kernels take the transformers engine's masked grouped-query call with `enable_gqa`
-   and with the heads repeated (what `kv_batch.gqa_in_kernel` decides between: torch's source says CUDA's
-   memory-efficient kernel takes the first), and the times of the shipped call against `enable_gqa` at 7B head
-   shapes (a decode step, an image prefill);
+   and with the heads repeated (transformers' own form), and the times of the shipped call (`enable_gqa`) and
+   of the repeated heads at 7B head shapes (a decode step, an image prefill);
 2. the weight-sync transport the rule picks (`weight_sync.choose_backend`) for a learner and an engine on this
    GPU, and the GiB/s of each transport one GPU allows for a 7B-shaped slice (4 decoder layers of Qwen2.5-VL-7B,
    bf16): `ipc` (a second process copies from the learner's buckets by handle) and `gloo` (through host
@@ -30,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 CUDA = torch.cuda.is_available()
 SKIPPED: list[str] = []
+ROUNDS = 3
 
 
 def section(title: str) -> None:
@@ -77,21 +78,26 @@ def attention(quick: bool) -> None:
         mask[..., : kv_len // 8] = False  # left padding, as a running batch has
         shipped = lambda: kv_batch.sdpa_gqa_attention(module, query, key, value, mask)  # noqa: E731
         grouped = lambda: torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=True)  # noqa: E731
+        repeats = q_heads // kv_heads
+        repeated = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+            query, key.repeat_interleave(repeats, 1), value.repeat_interleave(repeats, 1), attn_mask=mask)
         takes = {}
         if CUDA:
-            repeats = q_heads // kv_heads
             k2, v2 = key.repeat_interleave(repeats, 1), value.repeat_interleave(repeats, 1)
             for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
                 for label, call in (("enable_gqa", grouped),
                                     ("repeated", lambda: torch.nn.functional.scaled_dot_product_attention(query, k2, v2, attn_mask=mask))):
                     try:
-                        with sdpa_kernel([backend]):
+                        with sdpa_kernel([backend]), warnings.catch_warnings():
+                            warnings.simplefilter("ignore")  # torch says why a kernel refuses; the table says that it did
                             call()
                         takes[f"{name}/{label}"] = "yes"
                     except RuntimeError:
                         takes[f"{name}/{label}"] = "no"
-        print(f"B{batch} q{q_len} kv{kv_len} heads {q_heads}/{kv_heads}: shipped {timed_ms(shipped):.3f} ms, "
-              f"enable_gqa+mask {timed_ms(grouped):.3f} ms; kernels {takes or 'n/a on CPU'}", flush=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            times = f"shipped {timed_ms(shipped):.3f} ms, enable_gqa {timed_ms(grouped):.3f} ms, repeated {timed_ms(repeated):.3f} ms"
+        print(f"B{batch} q{q_len} kv{kv_len} heads {q_heads}/{kv_heads}, masked: {times}; kernels {takes or 'n/a on CPU'}", flush=True)
     if not CUDA:
         SKIPPED.append("1: which CUDA kernels take each call (no GPU); CPU times only")
 
@@ -237,6 +243,10 @@ def learner_step(quick: bool, model_dir: Path) -> None:
 
 
 def engine_throughput(quick: bool, model_dir: Path, tasks_dir: Path) -> None:
+    """The same rollouts under each attention form, after one warm-up rollout, in `ROUNDS` rounds (the order of
+    the forms reversed every other round); the fastest round of each is printed, so neither start-up nor a slow
+    round decides. At this width generation is bound by kernel launches more than by attention: identical code
+    measured 1,869 and 2,349 tokens/s in two rounds of one run on an H200."""
     import loupe.rollout.hf as hf
     from loupe.config import ProtocolParams
     from loupe.data.tasks import read_tasks
@@ -244,23 +254,37 @@ def engine_throughput(quick: bool, model_dir: Path, tasks_dir: Path) -> None:
     from loupe.protocol import get_protocol
     from loupe.rollout import RolloutStats, run_rollouts
 
-    section("4. transformers engine: generated tokens/s, shipped attention against transformers' sdpa")
+    section(f"4. transformers engine: generated tokens/s under each attention form (best of {ROUNDS} rounds)")
     tasks = read_tasks(tasks_dir / "train.jsonl")[: 8 if quick else 32]
     protocol = ProtocolParams(name="mini_o3", max_turns=3, max_pixels=28 * 28 * 256)
     processor, model = load_processor(model_dir), load_model(model_dir, device="cuda" if CUDA else "cpu")
     shipped = hf.grouped_attention
-    for label, attention in (("shipped (kv_batch.sdpa_gqa_attention)", shipped),
-                             ("transformers' sdpa", lambda m: contextlib.nullcontext())):
-        hf.grouped_attention = attention
+    forms = {"shipped (kv_batch.sdpa_gqa_attention: enable_gqa)": shipped,
+             "transformers' sdpa (heads repeated when masked)": lambda m: contextlib.nullcontext()}
+
+    def rollouts(count: int, budget: int) -> tuple[int, float]:
         engine = hf.TransformersEngine(model, processor, get_protocol("mini_o3").stop, 1.0, 1.0, 64, 0)
         stats = RolloutStats()
         sync()
         started = time.perf_counter()
-        run_rollouts(tasks, engine, protocol, tasks_dir, 2, protocol.max_turns, 32 if quick else 128, stats=stats)
+        run_rollouts(tasks[:count], engine, protocol, tasks_dir, 2, protocol.max_turns, budget, stats=stats)
         sync()
-        seconds = time.perf_counter() - started
-        print(f"{label}: {stats.generated_tokens} tokens in {seconds:.1f} s = {stats.generated_tokens / seconds:,.0f} tok/s", flush=True)
-    hf.grouped_attention = shipped
+        return stats.generated_tokens, time.perf_counter() - started
+
+    best: dict[str, tuple[int, float]] = {}
+    try:
+        rollouts(4, 16)  # warm-up: CUDA context, kernels, allocator
+        for round_ in range(ROUNDS):
+            names = list(forms) if round_ % 2 == 0 else list(reversed(forms))
+            for name in names:
+                hf.grouped_attention = forms[name]
+                tokens, seconds = rollouts(len(tasks), 32 if quick else 128)
+                if name not in best or seconds < best[name][1]:
+                    best[name] = (tokens, seconds)
+    finally:
+        hf.grouped_attention = shipped
+    for name, (tokens, seconds) in best.items():
+        print(f"{name}: {tokens} tokens in {seconds:.1f} s = {tokens / seconds:,.0f} tok/s", flush=True)
 
 
 def main() -> None:

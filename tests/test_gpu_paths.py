@@ -1,4 +1,4 @@
-"""CPU tests for code paths that only a GPU takes: the attention kernel choice on CUDA and ROCm, the order in
+"""CPU tests for code paths that only a GPU takes: the masked grouped attention a GPU runs in its math kernel, the order in
 which vLLM's caches are reset around sleep and a weight sync, and the optimiser's offload before a colocated
 engine wakes. The paths run on a GPU in `benchmarks/gpu_check.py`; here each decision is checked on its own."""
 
@@ -14,33 +14,26 @@ from loupe.rollout.vllm_engine import VLLMEngine
 from stages.rl.learner import move_optimizer_state
 
 
-def test_grouped_heads_go_to_the_kernel_except_where_no_fused_kernel_takes_them_masked():
-    assert kv_batch.gqa_in_kernel("cpu", masked=True) and kv_batch.gqa_in_kernel("cpu", masked=False)
-    # CUDA: the memory-efficient kernel takes a mask and grouped heads; ROCm's takes no grouped heads, and flash
-    # no mask, so there a masked grouped call is repeated first.
-    assert kv_batch.gqa_in_kernel("cuda", masked=True, rocm=False)
-    assert not kv_batch.gqa_in_kernel("cuda", masked=True, rocm=True)
-    assert kv_batch.gqa_in_kernel("cuda", masked=False, rocm=True)
-
-
-def test_the_repeated_heads_path_gives_the_same_attention(monkeypatch):
+def test_a_masked_grouped_call_hands_the_grouped_heads_to_sdpa_and_matches_repeated_heads(monkeypatch):
+    """The engine's attention never copies the cache to repeat heads, masked (a padded batch) or not; the numbers
+    are those of transformers' repeated-heads call. On a GPU the masked call runs in the math kernel, which
+    benchmarks/gpu_check.py measured faster than repeating into the memory-efficient kernel (kv_batch's docstring)."""
     torch.manual_seed(0)
     query, key, value = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
     mask = torch.ones(2, 1, 5, 5, dtype=torch.bool).tril()
     module = SimpleNamespace(is_causal=True)
-    grouped, _ = kv_batch.sdpa_gqa_attention(module, query, key, value, mask)
-    sent: list[dict] = []
     real = torch.nn.functional.scaled_dot_product_attention
+    repeated = real(query, key.repeat_interleave(2, 1), value.repeat_interleave(2, 1), attn_mask=mask).transpose(1, 2)
+    sent: list[dict] = []
 
     def spy(*args, **kwargs):
-        sent.append({"key_heads": args[1].shape[1], "enable_gqa": kwargs["enable_gqa"]})
+        sent.append({"key_heads": args[1].shape[1], "enable_gqa": kwargs["enable_gqa"], "masked": kwargs["attn_mask"] is not None})
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(kv_batch, "gqa_in_kernel", lambda device_type, masked: False)  # as on ROCm with a mask
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
-    repeated, _ = kv_batch.sdpa_gqa_attention(module, query, key, value, mask)
-    assert sent == [{"key_heads": 4, "enable_gqa": False}]
-    torch.testing.assert_close(repeated, grouped)
+    grouped, _ = kv_batch.sdpa_gqa_attention(module, query, key, value, mask)
+    assert sent == [{"key_heads": 2, "enable_gqa": True, "masked": True}]
+    torch.testing.assert_close(grouped, repeated.contiguous())
 
 
 class FakeLLM:

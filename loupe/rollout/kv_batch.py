@@ -268,39 +268,26 @@ GQA_SDPA = "loupe_sdpa_gqa"
 """The attention the engine's text decoder runs (registered with transformers under this name)."""
 
 
-def gqa_in_kernel(device_type: str, masked: bool, rocm: bool | None = None) -> bool:
-    """Whether grouped key/value heads go to SDPA as they are (`enable_gqa`) or are repeated first.
-
-    Read in torch's kernel selection (`aten/src/ATen/native/transformers/cuda/sdp_utils.cpp`,
-    `can_use_mem_efficient_attention`): the flash kernel takes no explicit mask, and the memory-efficient kernel
-    takes a mask and, on CUDA, grouped heads (`supports_gqa = true`), so a masked `enable_gqa` call runs fused
-    there; on ROCm that kernel takes no grouped heads (`supports_gqa = false`) and the call would fall to the
-    math kernel, with float32 score matrices, unless the heads are repeated first. On CPU `enable_gqa` reads the
-    grouped heads in place. `benchmarks/gpu_check.py` shows which kernels take each form on the GPU it runs on.
-    """
-    if rocm is None:
-        rocm = torch.version.hip is not None
-    return device_type == "cpu" or not masked or not rocm
-
-
 def sdpa_gqa_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                        is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """transformers' `sdpa` attention, with grouped key/value heads handed to torch as they are where a fused
-    kernel takes them (`gqa_in_kernel`).
+    """transformers' `sdpa` attention, with grouped key/value heads handed to torch as they are (`enable_gqa`).
 
     transformers' own (`integrations/sdpa_attention.py`, `use_gqa_in_sdpa`) repeats every key/value head to the
     query heads' count whenever an attention mask is given, which a padded batch always gives: a copy of the
     whole cache at every layer of every step, three times the attention's own time on CPU at 2,000 cached
-    tokens. `enable_gqa` (torch >= 2.5) reads the grouped heads in place and gives the same numbers. Where no
-    fused kernel takes a masked grouped call (ROCm), the heads are repeated as transformers does.
+    tokens. `enable_gqa` (torch >= 2.5) reads the grouped heads in place and gives the same numbers.
+
+    On a GPU no fused kernel takes a masked grouped call (flash takes no mask; the memory-efficient kernel
+    refuses grouped heads, torch's `sdp_utils_cpp.h`, `check_batch_size_and_num_heads_dense`), so it runs in
+    the math kernel, which still reads the cache once. Measured by `benchmarks/gpu_check.py` on an H200 (torch
+    2.11.0+cu130) at Qwen2.5-VL-7B's heads (28 of 128, 4 key/value heads), 4,096 cached tokens: a decode step of
+    32 rows took 0.084 ms this way against 2.32 ms with the heads repeated into the memory-efficient kernel, an
+    image prefill (4 x 1,024 queries) 0.74 ms against 1.01 ms. The math kernel's score matrix is the price: one
+    layer's (rows x 28 x queries x keys) at a time, 0.9 GB for that prefill.
     """
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     grouped = key.shape[1] != query.shape[1]
-    if grouped and not gqa_in_kernel(query.device.type, attention_mask is not None):
-        repeats = query.shape[1] // key.shape[1]
-        key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
-        grouped = False
     output = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
         is_causal=query.shape[2] > 1 and attention_mask is None and causal,
