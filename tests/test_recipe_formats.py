@@ -12,7 +12,7 @@ from PIL import Image
 
 from loupe.data.recipe_formats import RecipeFormatError, import_tasks
 from loupe.data.tasks import read_tasks
-from loupe.verifiers import math_equal
+from loupe.rewards.math_grading import math_equal
 
 FIXTURES = Path(__file__).parent / "fixtures" / "recipes"
 

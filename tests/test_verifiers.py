@@ -1,4 +1,4 @@
-"""Math answers compared by value (loupe.verifiers.math_equal, math-verify underneath) and the reward's format
+"""Math answers compared by value (loupe.rewards.math_grading.math_equal, math-verify underneath) and the reward's format
 rules (Loupe's, R1-V's, DeepEyes'), on answers of the kinds the seeds' data sets hold."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from loupe.data.tasks import TaskRecord
 from loupe.rewards import R1V_FORMAT, RewardConfig, format_reward, score
-from loupe.verifiers import MAX_ANSWER_CHARS, math_equal, strip_answer_tags
+from loupe.rewards.math_grading import MAX_ANSWER_CHARS, math_equal, strip_answer_tags
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ How a reference and an answer are read (choices, each after a seed):
 - the reference is parsed as LaTeX and as a plain expression; a bare reference is wrapped in `$...$` first
   (LMM-R1's `verify_math` does the same: `2\\sqrt{3}` unwrapped parses as `2`);
 - the answer is parsed with math-verify's defaults (boxed content first, then any LaTeX or expression);
-- a reference math-verify cannot parse falls back to normalised exact match (`loupe.rewards.exact_match`).
+- a reference math-verify cannot parse falls back to normalised exact match (`loupe.rewards.text.exact_match`).
   LMM-R1 scores such a sample 1.0 whatever was answered; a reward any answer earns teaches nothing and inflates
   the curve, so Loupe compares the text instead;
 - R1-V falls back to string equality when verification says no; the same exact match runs here, so a
@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import logging
 import re
+
+from loupe.rewards.text import exact_match
 
 MAX_ANSWER_CHARS = 1000
 """Longer answers or references are compared by exact match only: sympy on adversarial input can run away."""
@@ -55,11 +57,26 @@ def _parse_reference(reference: str) -> list:
     return parsed
 
 
+_BARE_LATEX = re.compile(r"\\[A-Za-z]+")
+
+
+def _parse_answer(answer: str) -> list:
+    """An answer written as bare LaTeX (`12\\sqrt{2}`, `\\dfrac{3}{4}`, `\\pi/2`: a command, no `$` and no
+    `\\boxed`) is read whole as LaTeX, as the reference is. math-verify's default extraction finds no LaTeX
+    without delimiters and reads such an answer as an expression up to its first number, so `12\\sqrt{2}` read
+    as 12 and `\\sqrt{12}` not at all. Anything else (prose, boxed or delimited answers) gets the defaults."""
+    from math_verify import parse
+
+    if _BARE_LATEX.search(answer) and "$" not in answer and "\\boxed" not in answer:
+        parsed = _parse_reference(answer)
+        if parsed:
+            return parsed
+    return parse(answer, parsing_timeout=None)
+
+
 def math_equal(answer: str | None, reference: str) -> bool:
     """Whether `answer` has the value of `reference` (numbers, fractions, radicals, expressions, sets), or,
-    failing that, matches it as text (`loupe.rewards.exact_match`); see the module docstring."""
-    from loupe.rewards import exact_match
-
+    failing that, matches it as text (`loupe.rewards.text.exact_match`); see the module docstring."""
     if answer is None or not answer.strip():
         return False
     reference = strip_answer_tags(reference)
@@ -68,13 +85,13 @@ def math_equal(answer: str | None, reference: str) -> bool:
         return True
     if len(answer) > MAX_ANSWER_CHARS or len(reference) > MAX_ANSWER_CHARS:
         return False
-    from math_verify import parse, verify
+    from math_verify import verify
 
     _quiet()
     gold = _parse_reference(reference)
     if not gold:
         return False
-    predicted = parse(answer, parsing_timeout=None)
+    predicted = _parse_answer(answer)
     if not predicted:
         return False
     return bool(verify(gold, predicted, timeout_seconds=None))

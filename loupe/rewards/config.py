@@ -1,0 +1,83 @@
+"""How a trajectory's reward is put together: `RewardConfig` and the LLM judge's `JudgeConfig`."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class JudgeConfig(BaseModel):
+    """Where and how to ask an LLM whether a free-form answer means the reference answer."""
+
+    # A key pasted into `api_key_env` by mistake must not be echoed back in the validation error.
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, hide_input_in_errors=True)
+
+    base_url: str = "https://api.openai.com/v1"
+    """OpenAI-compatible endpoint, ending in `/v1` (a local vLLM server works too)."""
+    model: str = "gpt-4o-mini"
+    """Judge model name as the server knows it; part of the cache key."""
+    api_key_env: str | None = Field(default="OPENAI_API_KEY", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """NAME of the environment variable holding the API key (never the key itself); None for a keyless local server."""
+    timeout_s: float = Field(default=30.0, gt=0)
+    """Seconds one HTTP request may take before it counts as a failed attempt."""
+    max_retries: int = Field(default=4, ge=0)
+    """Retries after the first attempt on 408/409/429/5xx, timeouts, connection errors, malformed HTTP 200 replies
+    and replies without a score (loupe.endpoint)."""
+    backoff_s: float = Field(default=1.0, ge=0)
+    """First retry waits about this long; each later one doubles it, with +-50% jitter."""
+    max_backoff_s: float = Field(default=30.0, ge=0)
+    """Cap on one exponential wait between retries; a server's Retry-After (up to two minutes) is obeyed."""
+    cache_dir: str | None = None
+    """Directory of cached verdicts (one JSON file per verdict); None keeps them in memory only."""
+    max_workers: int = Field(default=8, ge=1)
+    """Concurrent requests in `LLMJudge.score_many`."""
+    max_tokens: int = Field(default=64, ge=1)
+    """Reply length budget; the judge only needs to write `Score: 1` or `Score: 0`."""
+    temperature: float | None = 0.0
+    """Sampling temperature; None sends none (some reasoning models accept only their default)."""
+
+
+class RewardConfig(BaseModel):
+    """How a trajectory's parts add up to a reward: total = acc_w*accuracy + fmt_w*format + tool."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    accuracy_weight: float = 1.0
+    """Weight of accuracy (1 right, 0 wrong) in the total."""
+    format_weight: float = 0.0
+    """Weight of the format reward (1, 0.5 or 0; see `format_reward`) in the total."""
+    tool_bonus: float = 0.0
+    """Added when the answer is right and the trajectory called the tool at least once (DeepEyes: 1.2)."""
+    tool_call_penalty: float = Field(default=0.0, ge=0)
+    """Subtracted per tool call beyond `free_tool_calls`."""
+    free_tool_calls: int = Field(default=0, ge=0)
+    """Tool calls that cost nothing before `tool_call_penalty` applies."""
+    free_form_match: Literal["exact", "judge", "math"] = "exact"
+    """Free-form answers: normalised exact match only; exact match then the LLM judge for the rest; or `math`,
+    equal by value through math-verify (`\\frac{1}{2}` = 0.5, `\\boxed{60}` = 60), then exact match
+    (`loupe.rewards.math_grading.math_equal`: R1-V's, LMM-R1's and Pixel-Reasoner's verifier)."""
+    format_rule: Literal["loupe", "r1v", "easyr1", "deepeyes"] = "loupe"
+    """What the format part measures (see `format_reward`): `loupe` 1 / 0.5 / 0 for a clean answer / one without
+    `<think>` or after format errors / none; `r1v` 1 when the final turn is exactly `<think>…</think>
+    <answer>…</answer>` (R1-V's `format_reward`), else 0; `deepeyes` 0, or -1 after a format error (DeepEyes'
+    `vl_agent.compute_score`)."""
+    choice_judge_fallback: bool = False
+    """Choice questions: ask the judge when the letter cascade finds no letter (needs `judge`)."""
+    judge: JudgeConfig | None = None
+    """The LLM judge; required when `free_form_match` is `judge` or `choice_judge_fallback` is on."""
+
+    @model_validator(mode="after")
+    def _judge_configured_when_used(self) -> RewardConfig:
+        if (self.free_form_match == "judge" or self.choice_judge_fallback) and self.judge is None:
+            raise ValueError(
+                "judge: a judge section is required when free_form_match is 'judge' or choice_judge_fallback is on"
+            )
+        return self
+
+    @classmethod
+    def deepeyes(cls, **overrides: Any) -> RewardConfig:
+        """DeepEyes' shape: 0.8 accuracy + 0.2 format (0, or -1 after a format error) + 1.2 when the tool was used
+        and the answer is right (DeepEyes `verl/utils/reward_score/vl_agent.py`, `compute_score`)."""
+        return cls(**{"accuracy_weight": 0.8, "format_weight": 0.2, "tool_bonus": 1.2, "format_rule": "deepeyes",
+                      **overrides})

@@ -1,0 +1,17 @@
+"""EasyR1's math reward rules (hiyouga/EasyR1, `examples/reward_function/math.py`)."""
+
+from __future__ import annotations
+
+import re
+
+EASYR1_FORMAT = re.compile(r"<think>.*</think>.*\\boxed\{.*\}.*", re.DOTALL)
+"""EasyR1's math format, matched after its whitespace normalisation around `<`, `>` and `/`
+(`examples/reward_function/math.py`, `format_reward`)."""
+_EASYR1_SPACES = re.compile(r"\s*(<|>|/)\s*")
+
+
+def easyr1_format(end_reason: str, final_text: str | None) -> float:
+    """1.0 when the trajectory answered and its final turn full-matches `EASYR1_FORMAT` after EasyR1's space
+    normalisation, else 0.0."""
+    normalised = _EASYR1_SPACES.sub(r"\1", final_text or "")
+    return 1.0 if end_reason == "answered" and EASYR1_FORMAT.fullmatch(normalised) else 0.0

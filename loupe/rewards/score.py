@@ -1,0 +1,120 @@
+"""Putting the parts together: `score` turns one finished trajectory's facts into `RewardParts`;
+`score_trajectory` reads those facts off a `Trajectory` and records the parts on it."""
+
+from __future__ import annotations
+
+from loupe.data.tasks import OPTION_LETTERS, TaskRecord
+from loupe.protocol import IMAGE_PLACEHOLDER
+from loupe.rewards.choice import extract_choice
+from loupe.rewards.config import RewardConfig
+from loupe.rewards.deepeyes import DEEPEYES_MAX_ANSWER_CHARS
+from loupe.rewards.format import format_reward
+from loupe.rewards.judge import JudgeResult, LLMJudge
+from loupe.rewards.math_grading import math_equal
+from loupe.rewards.parts import RewardParts
+from loupe.rewards.text import exact_match
+from loupe.trajectory import END_REASONS, Trajectory
+
+
+def tool_reward(correct: bool, num_tool_calls: int, cfg: RewardConfig) -> float:
+    """`tool_bonus` for a right answer reached with at least one tool call, minus the per-call penalty."""
+    bonus = cfg.tool_bonus if correct and num_tool_calls > 0 else 0.0
+    return bonus - cfg.tool_call_penalty * max(0, num_tool_calls - cfg.free_tool_calls)
+
+
+def _judge_question_text(task: TaskRecord) -> str:
+    """The question as the judge reads it: no image placeholders (the judge sees no image), options listed."""
+    problem = task.problem.replace(IMAGE_PLACEHOLDER, "").strip()
+    if not task.options:
+        return problem
+    options = "\n".join(f"({letter}) {text}" for letter, text in zip(OPTION_LETTERS, task.options))
+    return f"{problem}\nOptions:\n{options}"
+
+
+def score(
+    task: TaskRecord,
+    answer: str | None,
+    end_reason: str,
+    num_tool_calls: int,
+    num_format_errors: int,
+    has_think: bool,
+    cfg: RewardConfig,
+    judge: LLMJudge | None = None,
+    final_text: str | None = None,
+) -> RewardParts:
+    """Score one finished trajectory.
+
+    `answer` is the text inside the final `<answer>…</answer>` (the rollout's `Action.answer`), None when the
+    trajectory ended otherwise; `has_think` says whether the model's turns reasoned inside `<think>…</think>`;
+    `num_format_errors` counts turns that came back as error observations; `final_text` is the last assistant
+    turn verbatim (the `r1v` format rule reads it). A trajectory that did not answer
+    scores accuracy 0 (valid). Raises ValueError for an unknown end reason, or when `cfg` asks for a judge
+    and none is given (configuration mistakes, not runtime trouble).
+    """
+    if end_reason not in END_REASONS:
+        raise ValueError(f"unknown end_reason {end_reason!r}; expected one of {', '.join(END_REASONS)}")
+    wants_judge = (cfg.free_form_match == "judge" and not task.is_choice) or (
+        cfg.choice_judge_fallback and task.is_choice
+    )
+    if wants_judge and judge is None:
+        raise ValueError("the reward config asks for an LLM judge but none was given to score()")
+
+    fmt = format_reward(end_reason, has_think, num_format_errors, cfg.format_rule, final_text, answer)
+    extracted: str | None = None
+    verdict: JudgeResult | None = None
+    if end_reason != "answered" or not (answer or "").strip():
+        accuracy, matched_by = 0.0, "no_answer"
+    elif task.is_choice:
+        extracted = extract_choice(answer, task.options or [])
+        accuracy, matched_by = float(extracted == task.solution), "letter"
+        if extracted is None and wants_judge:
+            reference = f"({task.solution}) {task.answer_text()}"
+            verdict = judge.judge(_judge_question_text(task), reference, answer)  # type: ignore[union-attr]
+    elif cfg.free_form_match == "math":
+        extracted = answer
+        accuracy, matched_by = float(math_equal(answer, task.solution)), "math"
+    else:
+        extracted = answer
+        accuracy, matched_by = float(exact_match(answer, task.solution)), "exact"
+        if accuracy == 0.0 and wants_judge:
+            verdict = judge.judge(_judge_question_text(task), task.solution, answer)  # type: ignore[union-attr]
+
+    if verdict is not None:
+        if not verdict.valid:
+            reason = f"judge failed: {verdict.error}"
+            return RewardParts(
+                None, fmt, tool_reward(False, num_tool_calls, cfg), None, False, reason, extracted, "judge"
+            )
+        accuracy, matched_by = float(verdict.score or 0.0), "judge"
+
+    if cfg.format_rule == "deepeyes" and len(answer or "") >= DEEPEYES_MAX_ANSWER_CHARS:
+        accuracy = 0.0
+    tool = tool_reward(accuracy == 1.0, num_tool_calls, cfg)
+    total = cfg.accuracy_weight * accuracy + cfg.format_weight * fmt + tool
+    return RewardParts(accuracy, fmt, tool, total, True, None, extracted, matched_by)
+
+
+def build_judge(cfg: RewardConfig) -> LLMJudge | None:
+    """The LLM judge `cfg` asks for, or None when every answer is scored by rules."""
+    if cfg.judge is None or not (cfg.free_form_match == "judge" or cfg.choice_judge_fallback):
+        return None
+    return LLMJudge(cfg.judge)
+
+
+def score_trajectory(trajectory: Trajectory, cfg: RewardConfig, judge: LLMJudge | None = None) -> RewardParts:
+    """Score a finished trajectory and record every part on it (`trajectory.rewards`)."""
+    assistant = [turn.text for turn in trajectory.turns if turn.role == "assistant"]
+    has_think = bool(assistant) and all("<think>" in text and "</think>" in text for text in assistant)
+    parts = score(
+        TaskRecord.model_validate(trajectory.task),
+        trajectory.answer,
+        trajectory.end_reason or "format_error",
+        trajectory.num_tool_calls,
+        trajectory.num_format_errors,
+        has_think,
+        cfg,
+        judge,
+        final_text=assistant[-1] if assistant else None,
+    )
+    trajectory.rewards = parts.to_dict()
+    return parts
