@@ -78,3 +78,27 @@ def test_group_advantages_sum_to_zero_and_order_like_rewards(rewards, estimator)
     assert abs(adv.sum()) < 1e-6 * max(1.0, np.abs(adv).max()) * len(rewards) + 1e-9
     order = np.argsort(rewards, kind="stable")
     assert all(adv[order[i]] <= adv[order[i + 1]] + 1e-9 for i in range(len(order) - 1))
+
+
+def test_reinforce_baseline_subtracts_the_group_mean_then_whitens_over_the_batch():
+    """OpenRLHF's reinforce_baseline on two groups of four, equal lengths: [.58,.58,.58,-1.73 | 1.73,-.58,-.58,-.58]
+    (group means .75 and .25; the centred rewards' biased std over the batch is sqrt(.1875))."""
+    rewards = [1, 1, 1, 0, 1, 0, 0, 0]
+    groups = ["a"] * 4 + ["b"] * 4
+    out = compute_advantages(rewards, groups, "reinforce_baseline", token_counts=[10] * 8)
+    expected = np.array([0.25, 0.25, 0.25, -0.75, 0.75, -0.25, -0.25, -0.25]) / np.sqrt(0.1875)
+    np.testing.assert_allclose(out, expected, atol=1e-9)
+    np.testing.assert_allclose(out[[0, 3, 4, 5]], [0.577, -1.732, 1.732, -0.577], atol=1e-3)
+    # Not grpo's per-group answer, nor reinforce_pp's global baseline.
+    assert not np.allclose(out, compute_advantages(rewards, groups, "grpo"))
+    assert not np.allclose(out, compute_advantages(rewards, groups, "reinforce_pp"))
+
+
+def test_reinforce_baseline_weighs_sequences_by_their_tokens_as_openrlhf_whitens_tokens():
+    rewards, groups = [1, 0, 1, 0], ["a", "a", "b", "b"]
+    lengths = [30, 10, 10, 10]
+    out = compute_advantages(rewards, groups, "reinforce_baseline", token_counts=lengths)
+    tokens = np.repeat([0.5, -0.5, 0.5, -0.5], lengths)  # each token carries its sequence's centred reward
+    expected = (np.array([0.5, -0.5, 0.5, -0.5]) - tokens.mean()) / tokens.std()
+    np.testing.assert_allclose(out, expected, atol=1e-9)
+    assert out[0] != -out[1]  # the long sequence moved the batch mean

@@ -76,6 +76,7 @@ ESTIMATOR_LEARNING = {
     "gspo": {},
     "gspo_token": {"estimator": "gspo", "gspo_variant": "token"},
     "cispo": {},
+    "reinforce_baseline": {},
     "remax": {"steps": 50},  # measured with 2 heads of 32: 0.06 -> 1.0 from step 45
     "ppo": {"critic": {"lr": 1e-3}},
 }

@@ -30,6 +30,19 @@ from loupe.rewards.math_grading import MAX_ANSWER_CHARS, math_equal, strip_answe
         ("1/3", "0.333", False),
         ("", "7", False),
         (None, "7", False),
+        # Bare LaTeX answers are read whole, as the reference is (math-verify's default stops at the first number).
+        ("12\\sqrt{2}", "12", False),
+        ("12\\sqrt{2}", "12\\sqrt{2}", True),
+        ("\\sqrt{12}", "2\\sqrt{3}", True),
+        ("2\\sqrt{3}", "\\sqrt{12}", True),
+        ("\\dfrac{3}{4}", "0.75", True),
+        ("\\dfrac{3}{4}", "\\frac{3}{4}", True),
+        ("\\pi/2", "\\frac{\\pi}{2}", True),
+        ("3\\pi", "3", False),
+        ("\\boxed{3\\pi}", "3", False),
+        ("\\frac{6}{8}", "\\frac{3}{4}", True),  # math-verify compares values: an unreduced fraction is equal
+        ("60^\\circ", "60", True),
+        ("\\sqrt{2}", "1.414", False),
     ],
 )
 def test_math_equal(answer, reference, equal):

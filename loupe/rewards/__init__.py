@@ -39,7 +39,12 @@ from loupe.rewards.judge import (
     LLMJudge,
     parse_judge_score,
 )
-from loupe.rewards.math_grading import MAX_ANSWER_CHARS, math_equal, strip_answer_tags
+from loupe.rewards.math_grading import (
+    MAX_ANSWER_CHARS,
+    grade_answer,
+    math_equal,
+    strip_answer_tags,
+)
 from loupe.rewards.parts import RewardParts
 from loupe.rewards.r1v import R1V_FORMAT
 from loupe.rewards.score import build_judge, score, score_trajectory, tool_reward
@@ -48,7 +53,7 @@ from loupe.rewards.text import exact_match, normalize_answer
 __all__ = [
     "DEEPEYES_MAX_ANSWER_CHARS", "EASYR1_FORMAT", "JUDGE_PROMPT_VERSION", "MAX_ANSWER_CHARS", "R1V_FORMAT",
     "SCORE_ARGUMENTS", "CustomRewardError", "JudgeConfig", "JudgeItem", "JudgeResult", "LLMJudge", "RewardConfig",
-    "RewardParts", "build_judge", "exact_match", "extract_choice", "format_reward", "load_custom_reward",
+    "RewardParts", "build_judge", "exact_match", "extract_choice", "format_reward", "grade_answer", "load_custom_reward",
     "math_equal", "normalize_answer", "parse_judge_score", "score", "score_trajectory", "strip_answer_tags",
     "tool_reward",
 ]

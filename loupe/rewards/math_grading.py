@@ -1,4 +1,5 @@
-"""Math answers judged equal by value, not by spelling: `math_equal("\\frac{1}{2}", "0.5")` is True.
+"""Math answers judged equal by value, not by spelling: `math_equal("\\frac{1}{2}", "0.5")` is True; and
+EasyR1's stricter grader, `grade_answer` (MathRuler's).
 
 Built on Hugging Face's `math-verify` package (`math_verify.parse` then `math_verify.verify`), the verifier the
 seeds' recipes score with: R1-V (`src/r1-v/src/open_r1/grpo.py`, `accuracy_reward`), LMM-R1's reward server
@@ -95,3 +96,25 @@ def math_equal(answer: str | None, reference: str) -> bool:
     if not predicted:
         return False
     return bool(verify(gold, predicted, timeout_seconds=None))
+
+
+def grade_answer(answer: str | None, reference: str) -> bool:
+    """EasyR1's grader: MathRuler's `grade_answer` (hiyouga/MathRuler, `mathruler/grader.py`), which
+    `examples/reward_function/math.py` in EasyR1 calls on the last `\\boxed{}`'s content. Stricter than
+    `math_equal` by design, and the preset keeps it so that a user trains on EasyR1's signal: an integer reference
+    needs an integer answer (`3\\pi` is not 3), and two fractions must be written alike (`\\frac{6}{8}` is not
+    `\\frac{3}{4}`, where math-verify says equal); otherwise equal after MathRuler's normalisation or when sympy
+    simplifies the difference to 0.
+
+    The `mathruler` package (with `pylatexenc`) is the CPU stack's and the vLLM test venv's; an environment
+    without it gets an error saying so, not a silent fallback to another grader."""
+    try:
+        from mathruler.grader import grade_answer as mathruler_grade_answer
+    except ImportError as err:
+        raise RuntimeError(
+            "free_form_match: mathruler needs the `mathruler` and `pylatexenc` packages "
+            "(pip install 'loupe[mathruler]'; requirements/cpu.txt pins them)"
+        ) from err
+    if answer is None or len(answer) > MAX_ANSWER_CHARS or len(reference) > MAX_ANSWER_CHARS:
+        return False
+    return bool(mathruler_grade_answer(answer, strip_answer_tags(reference)))

@@ -19,7 +19,7 @@ class RewardParts:
     extracted: str | None = None
     """What was compared: the option letter found, or the answer text; None when there was nothing."""
     matched_by: str | None = None
-    """How accuracy was decided: `letter`, `exact`, `math`, `judge`, `no_answer`, or `custom`."""
+    """How accuracy was decided: `letter`, `exact`, `math`, `mathruler`, `judge`, `no_answer`, or `custom`."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

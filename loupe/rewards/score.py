@@ -10,7 +10,7 @@ from loupe.rewards.config import RewardConfig
 from loupe.rewards.deepeyes import DEEPEYES_MAX_ANSWER_CHARS
 from loupe.rewards.format import format_reward
 from loupe.rewards.judge import JudgeResult, LLMJudge
-from loupe.rewards.math_grading import math_equal
+from loupe.rewards.math_grading import grade_answer, math_equal
 from loupe.rewards.parts import RewardParts
 from loupe.rewards.text import exact_match
 from loupe.trajectory import END_REASONS, Trajectory
@@ -73,6 +73,9 @@ def score(
     elif cfg.free_form_match == "math":
         extracted = answer
         accuracy, matched_by = float(math_equal(answer, task.solution)), "math"
+    elif cfg.free_form_match == "mathruler":
+        extracted = answer
+        accuracy, matched_by = float(grade_answer(answer, task.solution)), "mathruler"
     else:
         extracted = answer
         accuracy, matched_by = float(exact_match(answer, task.solution)), "exact"

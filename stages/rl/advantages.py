@@ -9,6 +9,13 @@ trajectory still receives an advantage, and the loss mask decides which ones are
 - `rloo`: r - mean of the *other* members of the group (leave-one-out baseline, unbiased).
 - `reinforce_pp`: (r - batch mean) / (batch std + eps) (REINFORCE++ with outcome rewards: a global baseline
   and whitening instead of a per-group one).
+- `reinforce_baseline`: r - group mean, then whitened over the batch's trained tokens (OpenRLHF's
+  `--advantage_estimator reinforce_baseline`, the one LMM-R1's scripts pass: `openrlhf/trainer/ppo_utils/
+  experience_maker.py` subtracts each prompt's mean reward, and the trainer then normalises the advantages over
+  every action token of the batch with the biased variance, `(a - mean) * rsqrt(max(var, 1e-8))`). Every token
+  of a sequence carries its sequence's advantage, so the batch statistics weigh a sequence by its token count
+  (`token_counts`); without counts, every sequence weighs the same. On rewards [1,1,1,0 | 1,0,0,0] of equal
+  length this gives [.58,.58,.58,-1.73 | 1.73,-.58,-.58,-.58].
 - `remax`: r - b, where b is the reward of one greedy rollout of the same prompt (ReMax, arXiv 2310.10505,
   Algorithm 1; verl `verl/trainer/ppo/core_algos.py`, `compute_remax_outcome_advantage`, with the baseline from
   `RayPPOTrainer.fit`'s greedy `gen_baseline_batch`). Not whitened, as there. A prompt whose greedy reward is
@@ -28,7 +35,7 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
-ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "dr_grpo", "remax")
+ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_baseline", "dr_grpo", "remax")
 """Sequence-level advantage kinds (estimators.Recipe.advantage; `gae` is per token, below)."""
 
 
@@ -39,8 +46,10 @@ def compute_advantages(
     in_stats: Sequence[bool] | None = None,
     eps: float = 1e-6,
     baselines: Sequence[float | None] | None = None,
+    token_counts: Sequence[int] | None = None,
 ) -> np.ndarray:
-    """One advantage per sequence, in input order. `baselines` (remax): each sequence's greedy reward."""
+    """One advantage per sequence, in input order. `baselines` (remax): each sequence's greedy reward.
+    `token_counts` (reinforce_baseline): each sequence's trained tokens, its weight in the batch whitening."""
     r = np.asarray(rewards, dtype=np.float64)
     if len(groups) != len(r):
         raise ValueError(f"{len(r)} rewards but {len(groups)} group ids")
@@ -56,6 +65,8 @@ def compute_advantages(
             mean, std = r[counted].mean(), r[counted].std(ddof=1)
             out = (r - mean) / (std + eps)
         return np.where(np.isfinite(out), out, 0.0)
+    if estimator == "reinforce_baseline":
+        return _group_mean_then_batch_whitened(r, groups, counted, token_counts)
     if estimator not in ESTIMATORS:
         raise ValueError(f"unknown estimator {estimator!r}; known: {', '.join(ESTIMATORS)}")
     if estimator == "remax" and (baselines is None or len(baselines) != len(r)):
@@ -81,6 +92,32 @@ def compute_advantages(
             else:  # rloo: the baseline of a counted member leaves that member out
                 baseline = (values.sum() - r[i]) / (len(stats) - 1) if counted[i] else mean
                 out[i] = r[i] - baseline
+    return np.where(np.isfinite(out), out, 0.0)
+
+
+def _group_mean_then_batch_whitened(r: np.ndarray, groups: Sequence[Hashable], counted: np.ndarray,
+                                    token_counts: Sequence[int] | None) -> np.ndarray:
+    """`reinforce_baseline` (module docstring): each group's counted mean subtracted, then whitened over the
+    batch's counted sequences, each weighted by its token count; 1e-8 floors the variance as OpenRLHF does."""
+    centred = np.zeros(len(r), dtype=np.float64)
+    members: dict[Hashable, list[int]] = defaultdict(list)
+    for i, group in enumerate(groups):
+        members[group].append(i)
+    for indices in members.values():
+        stats = [i for i in indices if counted[i]]
+        if stats:
+            mean = r[stats].mean()
+            for i in indices:
+                centred[i] = r[i] - mean
+    weights = np.ones(len(r)) if token_counts is None else np.asarray(token_counts, dtype=np.float64)
+    if len(weights) != len(r):
+        raise ValueError(f"{len(r)} rewards but {len(weights)} token counts")
+    weights = np.where(counted, weights, 0.0)
+    if weights.sum() <= 0:
+        return np.zeros(len(r))
+    mean = (weights * centred).sum() / weights.sum()
+    variance = (weights * (centred - mean) ** 2).sum() / weights.sum()
+    out = (centred - mean) / np.sqrt(max(variance, 1e-8))
     return np.where(np.isfinite(out), out, 0.0)
 
 

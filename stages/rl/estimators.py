@@ -16,6 +16,7 @@ modules implement once each:
 | dr_grpo | group mean only | ppo | 0.2 / 0.3 | token_sum | Dr. GRPO (arXiv 2503.20783) |
 | rloo | leave-one-out mean | ppo | 0.2 / 0.3 | token_mean | Ahmadian et al. (arXiv 2402.14740) |
 | reinforce_pp | batch-whitened | ppo | 0.2 / 0.3 | token_mean | REINFORCE++ (arXiv 2501.03262) |
+| reinforce_baseline | group mean, then batch-whitened over tokens | ppo | 0.2 / 0.2 | token_mean | OpenRLHF's `reinforce_baseline` (LMM-R1's scripts); dynamic sampling off |
 | dapo | group (mean, std) | ppo | 0.2 / 0.28 | token_mean | DAPO (arXiv 2503.14476), with overlong filter and soft punishment |
 | gspo | group (mean, std) | gspo | 3e-4 / 4e-4 | seq_mean_token_mean | GSPO (arXiv 2507.18071) |
 | cispo | group (mean, std) | cispo | 1.0 (no lower bound) / 0.28 | token_mean | MiniMax-M1 (arXiv 2506.13585) |
@@ -30,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-AdvantageKind = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "remax", "gae"]
+AdvantageKind = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_baseline", "remax", "gae"]
 PolicyLossKind = Literal["ppo", "gspo", "cispo"]
 Aggregation = Literal["token_mean", "token_sum", "seq_mean_token_mean"]
 
@@ -65,6 +66,9 @@ RECIPES: dict[str, Recipe] = {
     "dr_grpo": Recipe("dr_grpo", "ppo", 0.2, 0.3, aggregation="token_sum"),
     "rloo": Recipe("rloo", "ppo", 0.2, 0.3),
     "reinforce_pp": Recipe("reinforce_pp", "ppo", 0.2, 0.3),
+    # OpenRLHF's defaults (`openrlhf/cli/train_ppo_ray.py`): --eps_clip 0.2, symmetric.
+    # No zero-spread filter there either: OpenRLHF trains every sample (its dynamic filtering is opt-in).
+    "reinforce_baseline": Recipe("reinforce_baseline", "ppo", 0.2, 0.2, dynamic_sampling=False),
     # DAPO's paper (section 3.1): eps_low 0.2, eps_high 0.28; token-level loss; overlong filtering and shaping.
     "dapo": Recipe("grpo", "ppo", 0.2, 0.28, overlong=True),
     # GSPO's paper (section 5.1): clip range (3e-4, 4e-4) on the length-normalised sequence ratio.

@@ -139,13 +139,15 @@ class RayParams(Section):
 class RLParams(Section):
     """How the rl stage trains the policy with GRPO-family reinforcement learning."""
 
-    estimator: Literal["grpo", "rloo", "reinforce_pp", "dr_grpo", "dapo", "gspo", "cispo", "remax", "ppo"] = "grpo"
+    estimator: Literal["grpo", "rloo", "reinforce_pp", "reinforce_baseline", "dr_grpo", "dapo", "gspo", "cispo", "remax",
+                       "ppo"] = "grpo"
     """The RL algorithm (stages/rl/estimators.py): grpo (group mean and std), rloo (leave-one-out mean),
-    reinforce_pp (REINFORCE++: batch-whitened rewards), dr_grpo (group mean only; token_sum), dapo (grpo with
+    reinforce_pp (REINFORCE++: batch-whitened rewards), reinforce_baseline (OpenRLHF's: group mean subtracted,
+    then whitened over the batch's tokens), dr_grpo (group mean only; token_sum), dapo (grpo with
     clip-higher and the overlong treatment), gspo (sequence-level ratio and clip), cispo (clipped stop-gradient
     IS weights on a REINFORCE loss), remax (a greedy rollout's reward as baseline) or ppo (GAE over a critic).
     It also sets the defaults of clip_low, clip_high, loss_aggregation, overlong and dynamic_sampling.enabled
-    (off for remax and ppo); keys you set win."""
+    (off for remax, ppo and reinforce_baseline); keys you set win."""
     samples_per_prompt: int = Field(4, ge=2)
     """n: trajectories per prompt, one GRPO group (Mini-o3: 16)."""
     prompts_per_step: int = Field(4, ge=1)

@@ -474,7 +474,9 @@ class Trainer:
                         if s.num_trained and s.ref_logprobs is not None:
                             rewards[k] -= p.kl.coef * float(kl_estimate(s.old_logprobs, s.ref_logprobs, p.kl.estimator).sum())
                 baselines = [t.rewards.get("greedy_baseline") for t in batch] if kind == "remax" else None
-                advantages = compute_advantages(rewards, labels, kind, [c for _, c in flags], baselines=baselines)
+                counts = [s.num_trained for s in sequences] if kind == "reinforce_baseline" else None
+                advantages = compute_advantages(rewards, labels, kind, [c for _, c in flags], baselines=baselines,
+                                                token_counts=counts)
                 for s, a in zip(sequences, advantages):
                     s.advantage = float(a)
             train_policy = not (p.recipe.critic and step <= p.critic.warmup_steps)
