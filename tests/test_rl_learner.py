@@ -331,3 +331,29 @@ def test_a_trace_whose_image_pads_do_not_match_the_learners_processor_is_refused
     missing = TrainSequence(seq.input_ids, seq.positions, 0.0, seq.old_logprobs, seq.images[:1], traj_id="t0")
     with pytest.raises(ValueError, match="same processor settings"):
         learner.logprobs([missing])
+
+
+def test_the_learning_rate_follows_a_cosine_with_warmup_and_a_floor_and_resumes_where_it_was():
+    """OpenRLHF's schedule (cosine_with_min_lr, min 0.1 x lr, warm-up 3% of steps) over steps x ppo_epochs x
+    mini_batches optimiser steps, and a schedule rebuilt for a resumed run at the optimiser's step count."""
+    from stages.rl.learner import lr_scheduler
+
+    params = _params(lr=1e-3, steps=25, mini_batches=4, lr_schedule="cosine", warmup_ratio=0.03, min_lr_ratio=0.1)
+    weight = torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.AdamW([weight], lr=params.lr)
+    scheduler = lr_scheduler(optimizer, params)
+    rates = []
+    for _ in range(100):  # 25 steps x 4 mini-batches
+        rates.append(scheduler.get_last_lr()[0])
+        weight.grad = torch.ones(2)
+        optimizer.step()
+        scheduler.step()
+    assert rates[0] == 0.0 and rates[1] == pytest.approx(1e-3 / 3) and rates[3] == pytest.approx(1e-3)  # 3 warm-up steps
+    assert rates[3:] == sorted(rates[3:], reverse=True)
+    assert rates[-1] == pytest.approx(1e-4, rel=0.01)  # the floor: 0.1 x lr
+    mid = rates[3 + 97 // 2]
+    assert mid == pytest.approx(1e-4 + 0.5 * 9e-4, rel=0.02)  # halfway down the cosine
+    resumed = lr_scheduler(optimizer, params, taken=40)
+    assert resumed.get_last_lr()[0] == pytest.approx(rates[40])
+    constant = lr_scheduler(torch.optim.AdamW([weight], lr=1e-3), _params(lr=1e-3))
+    assert constant.get_last_lr()[0] == 1e-3  # the default: constant, no warm-up

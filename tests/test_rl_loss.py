@@ -77,3 +77,19 @@ def test_kl_and_entropy_terms_enter_the_loss_with_their_signs():
     assert stats["kl_sum"] == pytest.approx(float(kl_estimate(logp, ref)))
     with_entropy, _ = policy_loss(logp, old, adv, 1.0, LossConfig(entropy_coef=0.1), entropy=entropy)
     assert float(with_entropy - base) == pytest.approx(-0.3)
+
+
+def test_dual_clip_caps_a_negative_advantage_tokens_loss_at_c_times_its_advantage():
+    """verl's dual clip (clip_ratio_c 3): with A = -1 and a ratio of 5, PPO's loss is 5; capped, it is 3 and the
+    token sends no gradient. Positive advantages and small ratios are untouched."""
+    old = torch.zeros(4)
+    logprobs = torch.log(torch.tensor([5.0, 5.0, 1.1, 0.5])).requires_grad_()
+    advantages = torch.tensor([-1.0, 1.0, -1.0, -1.0])
+    plain, plain_stats = policy_loss(logprobs, old, advantages, 1.0, LossConfig(clip_low=0.2, clip_high=0.2))
+    capped, stats = policy_loss(logprobs, old, advantages, 1.0, LossConfig(clip_low=0.2, clip_high=0.2, dual_clip=3.0))
+    # per token, plain: -min(r A, clip(r) A) = [5, -1.2, 1.1, 0.8]; dual-clipped: [3, -1.2, 1.1, 0.8]
+    assert float(plain.detach()) == pytest.approx(5 - 1.2 + 1.1 + 0.8)
+    assert float(capped.detach()) == pytest.approx(3 - 1.2 + 1.1 + 0.8)
+    assert stats["dual_clipped_sum"] == 1.0 and "dual_clipped_sum" not in plain_stats
+    capped.backward()
+    assert logprobs.grad[0] == 0.0 and logprobs.grad[2] != 0.0

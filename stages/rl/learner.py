@@ -80,6 +80,36 @@ def _single_process_checkpoint(distributed: bool) -> Iterator[None]:
         yield
 
 
+def lr_scheduler(optimizer: torch.optim.Optimizer, params: RLParams, taken: int = 0) -> torch.optim.lr_scheduler.LRScheduler:
+    """The learning-rate schedule of `params` (`lr_schedule`, `warmup_ratio`, `min_lr_ratio`) over the run's
+    optimiser steps, through transformers' `get_scheduler` (`constant_with_warmup`, `linear`,
+    `cosine_with_min_lr`: OpenRLHF builds its schedule with the same function), advanced past the `taken`
+    steps of a resumed run."""
+    import warnings
+
+    from transformers import get_scheduler
+
+    total = params.steps * params.ppo_epochs * params.mini_batches
+    warmup = math.ceil(params.warmup_ratio * total)
+    name = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine_with_min_lr"}[params.lr_schedule]
+    extra = {"min_lr_rate": params.min_lr_ratio} if params.lr_schedule == "cosine" else None
+    for group in optimizer.param_groups:  # a rebuilt schedule starts from the configured rate, not the decayed one
+        group["lr"] = group.get("initial_lr", group["lr"])
+    scheduler = get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total,
+                              scheduler_specific_kwargs=extra)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()": replaying steps already taken
+        for _ in range(taken):
+            scheduler.step()
+    return scheduler
+
+
+def optimizer_steps_taken(optimizer: torch.optim.Optimizer) -> int:
+    """How many steps AdamW has taken, from its per-parameter `step` counters (0 before the first)."""
+    steps = [float(state["step"]) for state in optimizer.state.values() if "step" in state]
+    return int(max(steps)) if steps else 0
+
+
 def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> int:
     """Move every tensor of the optimiser's state (AdamW's two moments and step) to `device`; returns the bytes
     moved (0 when all were there already)."""
@@ -168,7 +198,9 @@ class Learner:
             entropy_coef=params.entropy_coef,
             mode=mode,
             aggregation=params.aggregation,
+            dual_clip=params.dual_clip,
         )
+        self.scheduler = lr_scheduler(self.optimizer, params)
         self.critic = None
         if params.recipe.critic:
             from stages.rl.critic import Critic
@@ -280,6 +312,7 @@ class Learner:
                 grad_norms.append(norm)
                 if math.isfinite(norm):
                     self.optimizer.step()
+                    self.scheduler.step()
                 else:  # a non-finite gradient would poison the weights; skip the step and say so
                     totals["nonfinite_grad_steps"] = totals.get("nonfinite_grad_steps", 0.0) + 1
                 self.optimizer.zero_grad(set_to_none=True)
@@ -339,12 +372,15 @@ class Learner:
             "entropy": totals.get("entropy_sum", 0.0) / per_token,
             "grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
             "optimizer_steps": float(len(grad_norms)),
+            "lr": float(self.scheduler.get_last_lr()[0]),
             "update_seconds": seconds,
         }
         if "kl_sum" in totals:
             out["kl"] = totals["kl_sum"] / per_token
         if "nonfinite_grad_steps" in totals:
             out["nonfinite_grad_steps"] = totals["nonfinite_grad_steps"]
+        if "dual_clipped_sum" in totals:
+            out["dual_clip_frac"] = totals["dual_clipped_sum"] / per_token
         return out
 
     # --- weights and state ----------------------------------------------------------------------------------
@@ -390,6 +426,7 @@ class Learner:
         with _single_process_checkpoint(self.distributed):
             dcp.load(state, checkpoint_id=str(folder), no_dist=not self.distributed)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        self.scheduler = lr_scheduler(self.optimizer, self.params, optimizer_steps_taken(self.optimizer))
         if self.critic is not None:
             if not (critic_folder(folder) / ".metadata").is_file():
                 raise FileNotFoundError(f"{critic_folder(folder)}: estimator ppo resumes its critic from here, but the "

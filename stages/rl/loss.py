@@ -55,6 +55,8 @@ class LossConfig:
     """ppo, gspo, gspo_token or cispo (module docstring)."""
     aggregation: str = "token_mean"
     """token_mean, token_sum or seq_mean_token_mean (`loss_normaliser`)."""
+    dual_clip: float | None = None
+    """Dual-clip bound c > 1: a negative-advantage token's loss is at most -A x c (ppo and gspo modes)."""
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
@@ -131,6 +133,12 @@ def policy_loss(
         unclipped = ratio * advantages
         clipped = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high) * advantages
         pg = -torch.minimum(unclipped, clipped)
+    dual_clipped = None
+    if cfg.dual_clip is not None and cfg.mode != "cispo":
+        # verl's `compute_policy_loss`: min(pg, -A * c) where A < 0 (no gradient through a capped token).
+        cap = -advantages * cfg.dual_clip
+        dual_clipped = (advantages < 0) & (pg > cap)
+        pg = torch.where(dual_clipped, cap, pg)
     per_token = pg
     kl = None
     if ref_logprobs is not None:
@@ -158,6 +166,8 @@ def policy_loss(
             # k3 between the sampling policy and the current one: how far the update has moved.
             "policy_kl_sum": float(kl_estimate(logprobs, old_logprobs, "k3").sum()),
         }
+        if dual_clipped is not None:
+            stats["dual_clipped_sum"] = float(dual_clipped.sum())
         if kl is not None:
             stats["kl_sum"] = float(kl.sum())
         if entropy is not None:

@@ -168,6 +168,10 @@ class RLParams(Section):
     clip_high: float = Field(0.3, ge=0)
     """Upper clip of the importance ratio: 1 + clip_high. Default: the estimator's (0.3, Mini-o3's; dapo and
     cispo 0.28; gspo 4e-4; ppo 0.2)."""
+    dual_clip: float | None = Field(None, gt=1)
+    """Dual-clip PPO (Ye et al., arXiv 1912.09729; verl `compute_policy_loss`, `clip_ratio_c`, 3.0 in its
+    config): for a negative advantage the token's loss is capped at -A x dual_clip, so a ratio far above 1 on a
+    bad token cannot blow the loss up. None is off (OpenRLHF's and Loupe's default)."""
     loss_aggregation: Literal["auto", "token_mean", "token_sum", "seq_mean_token_mean"] = "auto"
     """token_mean: mean over every trained token of the batch (Mini-o3, DAPO); token_sum: sum over tokens
     divided by a constant (sequences x generation budget), Dr. GRPO's length-unbiased form;
@@ -221,7 +225,17 @@ class RLParams(Section):
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
     betas: tuple[float, float] = (0.9, 0.999)
-    """AdamW betas."""
+    """AdamW betas (OpenRLHF's scripts: 0.9, 0.95; verl and EasyR1: 0.9, 0.999)."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning rate over the run's optimiser steps (steps x ppo_epochs x mini_batches), after the warm-up:
+    constant (verl's and EasyR1's default), linear decay to 0, or cosine down to `min_lr_ratio` x lr
+    (OpenRLHF's `cosine_with_min_lr`, min 0.1 x lr). transformers' `get_scheduler` computes it; it resumes
+    from the optimiser's own step count."""
+    warmup_ratio: float = Field(0.0, ge=0, lt=1)
+    """Share of the optimiser steps over which the rate rises linearly from 0 (OpenRLHF `--lr_warmup_ratio`,
+    verl `lr_warmup_steps_ratio`)."""
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """The cosine schedule's floor as a share of lr (OpenRLHF: 0.1)."""
     max_grad_norm: float = Field(1.0, gt=0)
     """Gradients are clipped to this global norm before each optimiser step."""
     sync_bucket_mb: int = Field(256, ge=1)
