@@ -6,8 +6,9 @@
     loupe remote                                     LOUPE_DVC_REMOTE (s3://...) as the default DVC remote
     loupe model tiny --out DIR [--seed N]            build the embedded tiny Qwen2.5-VL offline
     loupe data tasks --out DIR [--params ...]        write the task set params.yaml's `data` section names
-    loupe data import FORMAT --train F [--val F] [--test F] --out DIR
-                                                     a recipe's published data set as a task folder
+    loupe data import FORMAT --train F [--val F | --val-size N] [--test F] --out DIR
+                                                     a recipe's published data set as a task folder (without
+                                                     --val, 5% of --train held out as val, seeded)
                                                      (r1v, r1v_eval, easyr1, lmm_r1: loupe/data/recipe_formats.py)
     loupe view TRAJECTORIES.jsonl --out page.html    a self-contained HTML page of trajectories with crops
     loupe stage NAME [--in-container] ARGS...        one stage, locally or in its image (LOUPE_CONTAINER)
@@ -55,7 +56,11 @@ def _cmd_data_import(args: argparse.Namespace) -> int:
     if not sources:
         raise ValueError("data import: give at least one of --train, --val, --test")
     started = time.perf_counter()
-    written = import_tasks(args.format, sources, args.out, data_source=args.source, limit=args.limit)
+    if args.val and args.val_size:
+        raise ValueError("data import: --val gives the validation split; --val-size holds one out of --train: give one")
+    val_size = 0.0 if args.val or "train" not in sources else (0.05 if args.val_size is None else args.val_size)
+    written = import_tasks(args.format, sources, args.out, data_source=args.source, limit=args.limit,
+                           val_size=val_size, seed=args.seed)
     for split, path in written.items():
         print(f"{split}: {path}")
     print(f"{args.format} data imported in {time.perf_counter() - started:.1f} s; point pipeline.tasks (or an eval "
@@ -188,6 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
     imported.add_argument("--out", type=Path, required=True, help="the task folder to write (replaced whole)")
     imported.add_argument("--source", help="data_source of the records (default: the format's name)")
     imported.add_argument("--limit", type=int, help="rows per split at most")
+    imported.add_argument("--val-size", type=float, default=None,
+                          help="without --val: rows of --train held out as the val split, a share below 1 or a "
+                               "count (default 0.05: the presets validate on it)")
+    imported.add_argument("--seed", type=int, default=0, help="seed of the held-out draw")
     imported.set_defaults(func=_cmd_data_import)
 
     view = commands.add_parser("view", help="render trajectories as a self-contained HTML page")

@@ -132,7 +132,42 @@ def test_loupe_data_import_command(tmp_path, capsys):
     from pipelines.cli import main
 
     assert main(["data", "import", "lmm_r1", "--train", str(FIXTURES / "lmm_r1" / "test_message.jsonl"),
-                 "--out", str(tmp_path / "tasks"), "--limit", "1"]) == 0
+                 "--out", str(tmp_path / "tasks"), "--limit", "1", "--val-size", "0"]) == 0
     assert len(read_tasks(tmp_path / "tasks" / "train.jsonl")) == 1
     assert main(["data", "import", "r1v", "--out", str(tmp_path / "none")]) == 2
     assert "at least one of --train" in capsys.readouterr().err
+
+
+def _text_rows(path: Path, count: int) -> Path:
+    rows = []
+    for i in range(count):
+        message = [{"role": "user", "content": [{"type": "text", "text": f"Compute {i} + 1."}]}]
+        rows.append(json.dumps({"message": json.dumps(message), "answer": f"${i + 1}$"}))
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def test_an_import_without_val_holds_out_a_seeded_validation_split(tmp_path, capsys):
+    """The presets validate, so `loupe data import` writes val.jsonl: 5% of --train by default (at least one
+    row), drawn by --seed, disjoint from train; --val-size takes a count too; a given --val is used as is."""
+    from pipelines.cli import main
+
+    source = _text_rows(tmp_path / "fre.jsonl", 40)
+    assert main(["data", "import", "lmm_r1", "--train", str(source), "--out", str(tmp_path / "a")]) == 0
+    train, val = read_tasks(tmp_path / "a" / "train.jsonl"), read_tasks(tmp_path / "a" / "val.jsonl")
+    assert len(val) == 2 and len(train) == 38
+    assert not {t.doc_id for t in train} & {t.doc_id for t in val}
+    assert main(["data", "import", "lmm_r1", "--train", str(source), "--out", str(tmp_path / "b")]) == 0
+    assert [t.doc_id for t in read_tasks(tmp_path / "b" / "val.jsonl")] == [t.doc_id for t in val]  # seeded
+    assert main(["data", "import", "lmm_r1", "--train", str(source), "--out", str(tmp_path / "c"),
+                 "--val-size", "5", "--seed", "1"]) == 0
+    other = read_tasks(tmp_path / "c" / "val.jsonl")
+    assert len(other) == 5 and {t.doc_id for t in other} != {t.doc_id for t in val}
+    given = _text_rows(tmp_path / "val.jsonl", 3)
+    assert main(["data", "import", "lmm_r1", "--train", str(source), "--val", str(given), "--out", str(tmp_path / "d")]) == 0
+    assert len(read_tasks(tmp_path / "d" / "train.jsonl")) == 40 and len(read_tasks(tmp_path / "d" / "val.jsonl")) == 3
+    assert main(["data", "import", "lmm_r1", "--train", str(source), "--val", str(given), "--val-size", "3",
+                 "--out", str(tmp_path / "e")]) == 2
+    assert "give one" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="leaves no training rows"):
+        import_tasks("lmm_r1", {"train": _text_rows(tmp_path / "one.jsonl", 1)}, tmp_path / "f", val_size=0.05)

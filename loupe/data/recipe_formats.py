@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import io
 import json
+import random
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -192,10 +193,24 @@ def _image_suffix(data: bytes) -> str:
         return {"PNG": ".png", "JPEG": ".jpg", "WEBP": ".webp", "GIF": ".gif", "BMP": ".bmp"}.get(image.format, ".png")
 
 
+def held_out_count(val_size: float, rows: int) -> int:
+    """Rows a `val_size` holds out of `rows`: a share when below 1 (at least one row), else a count."""
+    if val_size < 0:
+        raise ValueError(f"val size {val_size}: give a share in [0, 1) or a row count")
+    count = max(1, round(val_size * rows)) if 0 < val_size < 1 else int(val_size)
+    if count >= rows:
+        raise ValueError(f"val size {val_size}: {count} rows held out of {rows} leaves no training rows")
+    return count
+
+
 def import_tasks(format: str, sources: dict[str, Path], out_dir: Path, data_source: str | None = None,
-                 limit: int | None = None) -> dict[str, Path]:
+                 limit: int | None = None, val_size: float = 0.0, seed: int = 0) -> dict[str, Path]:
     """Read each split's published file with `format`'s reader into the task folder `out_dir`
-    (`<split>.jsonl` and `images/<split>/`), replaced whole and atomically; returns {split: jsonl path}."""
+    (`<split>.jsonl` and `images/<split>/`), replaced whole and atomically; returns {split: jsonl path}.
+
+    Without a `val` source, `val_size` rows of the train split (a share below 1, else a count) are held out as
+    `val.jsonl`, drawn with `random.Random(seed)`: the rl stage validates on it. The held-out records keep
+    their `train-NNNNNN` ids and images, so each still names its source row."""
     if format not in READERS:
         raise ValueError(f"unknown data format {format!r}; known: {', '.join(FORMATS)}")
     written: dict[str, Path] = {}
@@ -225,6 +240,11 @@ def import_tasks(format: str, sources: dict[str, Path], out_dir: Path, data_sour
                                               **raw.extra))
                 except ValueError as err:
                     raise RecipeFormatError(f"{source}: row {index + 1}: {err}") from None
+            if split == "train" and "val" not in sources and val_size:
+                held = set(random.Random(seed).sample(range(len(records)), held_out_count(val_size, len(records))))
+                write_tasks([r for i, r in enumerate(records) if i in held], tmp / "val.jsonl")
+                written["val"] = Path(out_dir) / "val.jsonl"
+                records = [r for i, r in enumerate(records) if i not in held]
             write_tasks(records, tmp / f"{split}.jsonl")
             written[split] = Path(out_dir) / f"{split}.jsonl"
     return written
