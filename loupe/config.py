@@ -11,11 +11,21 @@ style documentation and the comments in params.yaml come from one place.
 
 from __future__ import annotations
 
+import copy
+import os
+import tempfile
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    model_validator,
+)
 
 from loupe.tools import PixelBudget
 
@@ -215,3 +225,64 @@ def load_seed(path: str | Path = "params.yaml") -> int:
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ParamsError(f"{path}: seed: must be an integer, got {seed!r}")
     return seed
+
+
+# --- overrides on the command line ------------------------------------------------------------------------------
+
+OVERRIDES_ENV = "LOUPE_PARAMS_OVERRIDES"
+"""Environment variable holding the `key.path=value` overrides of the run in progress, space-separated: the
+stages' MLflow runs record it as the tag `loupe.overrides` (loupe/tracking.py), whichever process they run in."""
+
+
+def parse_override(text: str) -> tuple[tuple[str, ...], Any]:
+    """`rl.kl.coef=0.01` -> (("rl", "kl", "coef"), 0.01). The value is read as YAML, as in the file, except that
+    a number written `1e-6` is a number (PyYAML's YAML 1.1 reads it as a string; verl's and OpenRLHF's users
+    write it so)."""
+    key, sep, raw = text.partition("=")
+    parts = tuple(key.strip().split("."))
+    if not sep or not all(parts):
+        raise ParamsError(f"override {text!r}: expected key.path=value, e.g. rl.lr=1e-6")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as err:
+        raise ParamsError(f"override {text!r}: the value is not valid YAML ({err})") from None
+    if isinstance(value, str):
+        for number in (int, float):
+            try:
+                return parts, number(raw.strip())
+            except ValueError:
+                pass
+    return parts, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str], source: str = "params.yaml") -> dict[str, Any]:
+    """A copy of `data` with each `key.path=value` set (missing mappings created); the sections they touch are
+    validated by whoever reads them, like the file's own values."""
+    out = copy.deepcopy(data)
+    for text in overrides:
+        parts, value = parse_override(text)
+        node = out
+        for depth, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ParamsError(f"{source}: override {text!r}: {'.'.join(parts[:depth + 1])} is "
+                                  f"{type(child).__name__}, not a section")
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def params_with_overrides(params_path: str | Path, overrides: list[str]) -> Path:
+    """`params_path` with `overrides` applied, written to a fresh file (its name says so, for error messages),
+    and the overrides added to `OVERRIDES_ENV` for the stage's MLflow run; `params_path` itself when there are
+    none. The stages' `python -m stages.<name> ... key.path=value` goes through here."""
+    if not overrides:
+        return Path(params_path)
+    data = apply_overrides(read_params_file(params_path), overrides, str(params_path))
+    folder = Path(tempfile.mkdtemp(prefix="loupe-params-"))
+    target = folder / f"{Path(params_path).stem}+overrides.yaml"
+    target.write_text(f"# {params_path} with {' '.join(overrides)}\n" + yaml.safe_dump(data, sort_keys=False))
+    os.environ[OVERRIDES_ENV] = " ".join([*filter(None, [os.environ.get(OVERRIDES_ENV, "")]), *overrides])
+    return target

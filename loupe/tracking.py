@@ -331,6 +331,8 @@ def stage_run(stage: str, params: dict[str, Any] | None = None, tags: dict[str, 
     mlflow = _mlflow()
     parent = os.environ.get(PARENT_RUN_ENV)
     run_tags = {"loupe.stage": stage, **git_state(), **(tags or {})}
+    if os.environ.get("LOUPE_PARAMS_OVERRIDES"):  # loupe.config.OVERRIDES_ENV: key.path=value given on the command line
+        run_tags["loupe.overrides"] = os.environ["LOUPE_PARAMS_OVERRIDES"]
     if parent:
         run_tags["mlflow.parentRunId"] = parent
     with mlflow.start_run(run_name=stage, tags={k: str(v) for k, v in run_tags.items()}) as run:

@@ -1,8 +1,9 @@
 """`loupe`: the project's command line.
 
-    loupe run [--params FILE] [--stages NAME ...] [--force]
+    loupe run [--params FILE] [--stages NAME ...] [--force] [KEY.PATH=VALUE ...]
                                                      the pipeline: Prefect flow over dvc.yaml, summary at the end;
-                                                     a recipe's FILE runs in work/runs/<name>/ (docs/recipes.md)
+                                                     a recipe's FILE, or any run with overrides (rl.lr=1e-6),
+                                                     runs in work/runs/<name>/ (docs/recipes.md)
     loupe remote                                     LOUPE_DVC_REMOTE (s3://...) as the default DVC remote
     loupe model tiny --out DIR [--seed N]            build the embedded tiny Qwen2.5-VL offline
     loupe data tasks --out DIR [--params ...]        write the task set params.yaml's `data` section names
@@ -25,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from loupe.config import ParamsError, load_section
+from loupe.config import OVERRIDES_ENV, ParamsError, load_section
 
 
 def _cmd_model_tiny(args: argparse.Namespace) -> int:
@@ -86,13 +87,22 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from pipelines.params import PipelineParams
 
     repo = root
-    if Path(args.params).resolve() != (root / "params.yaml").resolve():
+    # `--stages rl eval rl.lr=1e-6` hands the override to --stages (argparse's greedy list): take it back.
+    overrides = [*args.overrides, *(s for s in args.stages or [] if "=" in s)]
+    args.stages = [s for s in args.stages or [] if "=" not in s] or None
+    if overrides:
+        from pipelines.overrides import check_overrides
+
+        check_overrides(repo, Path(args.params), overrides)
+        os.environ[OVERRIDES_ENV] = " ".join(overrides)
+    if overrides or Path(args.params).resolve() != (root / "params.yaml").resolve():
         # Another params file is a recipe: it runs in a DVC workspace of its own, with a dvc.yaml of its shape
         # (pipelines/workspace.py), so its caches and lock never mix with params.yaml's.
         from pipelines.workspace import prepare_workspace
 
-        root = prepare_workspace(repo, Path(args.params))
-        print(f"loupe: {args.params} runs in {root.relative_to(repo)}/ (its own dvc.yaml, dvc.lock and work/)")
+        root = prepare_workspace(repo, Path(args.params), overrides=overrides)
+        print(f"loupe: {args.params}{' with ' + ' '.join(overrides) if overrides else ''} runs in "
+              f"{root.relative_to(repo)}/ (its own dvc.yaml, dvc.lock and work/)")
     elif not load_section(PipelineParams, "pipeline", root / "params.yaml").default_shape:
         raise ParamsError("params.yaml: pipeline.sft / pipeline.rl_stages change the stages, and dvc.yaml is written "
                           "for the default; put the recipe in its own file and run `loupe run --params FILE`")
@@ -169,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="params.yaml (the repository's pipeline), or a recipe's file, run in work/runs/<name>/")
     run.add_argument("--stages", nargs="+", help="only these stages (and what they depend on)")
     run.add_argument("--force", action="store_true", help="rerun the stages even when nothing changed")
+    run.add_argument("overrides", nargs="*", metavar="KEY.PATH=VALUE",
+                     help="params set on top of the file (e.g. rl.lr=1e-6 rl.kl.coef=0.01), validated like it; the "
+                          "run then takes place in work/runs/<name>/ and MLflow records them")
     run.set_defaults(func=_cmd_run)
 
     remote = commands.add_parser("remote", help="make LOUPE_DVC_REMOTE (s3://...) the default DVC remote")

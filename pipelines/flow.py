@@ -78,7 +78,6 @@ from pipelines.dvc_runner import (
 from pipelines.params import PipelineParams
 from pipelines.summary import comparison_text, format_table, summary_rows
 
-
 LOG_DIR = Path("work") / "logs"
 """Each stage's whole output (`<stage>.log`, appended run after run) and the flow's own log (`flow.log`)."""
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import yaml
 
-from loupe.config import ParamsError, parse_section, read_params_file
+from loupe.config import ParamsError, apply_overrides, parse_section, read_params_file
 from loupe.data.families import DataParams
 from loupe.io import atomic_write_text
 from pipelines.params import PipelineParams
@@ -141,13 +141,16 @@ def workspace_for(repo: Path, params_file: Path, runs: Path | None = None) -> Pa
     return (runs or repo / RUNS) / Path(params_file).stem
 
 
-def prepare_workspace(repo: Path, params_file: Path, runs: Path | None = None) -> Path:
+def prepare_workspace(repo: Path, params_file: Path, runs: Path | None = None,
+                      overrides: list[str] | tuple[str, ...] = ()) -> Path:
     """Create or refresh the workspace of `params_file` (module docstring) under `runs` (default
-    `<repo>/work/runs`); returns its folder."""
+    `<repo>/work/runs`), with `overrides` (`key.path=value`) set on the merged params; returns its folder. The
+    workspace's params.yaml is what the stages read, so DVC reruns what an override changes, and the file says
+    which overrides made it."""
     params_file = Path(params_file)
     if not params_file.is_file():
         raise FileNotFoundError(f"{params_file}: no such params file")
-    recipe = read_recipe(repo, params_file)
+    recipe = apply_overrides(read_recipe(repo, params_file), list(overrides), str(params_file))
     pipeline = parse_section(PipelineParams, recipe.get("pipeline"), "pipeline", str(params_file))
     data = parse_section(DataParams, recipe.get("data"), "data", str(params_file))
     workspace = workspace_for(repo, params_file, runs)
@@ -159,7 +162,8 @@ def prepare_workspace(repo: Path, params_file: Path, runs: Path | None = None) -
                 raise FileExistsError(f"{link}: expected a link to the repository's {name}/")
             link.symlink_to(os.path.relpath(repo / name, workspace), target_is_directory=True)
     target = workspace / "params.yaml"
-    text = (f"# {params_file} as the pipeline reads it (merged over its base file), written by `loupe run`\n"
+    made_by = f" with {' '.join(overrides)}" if overrides else ""
+    text = (f"# {params_file}{made_by} as the pipeline reads it (merged over its base file), written by `loupe run`\n"
             + yaml.safe_dump(recipe, sort_keys=False, width=120))
     if not target.is_file() or target.read_text(encoding="utf-8") != text:
         atomic_write_text(target, text)

@@ -156,3 +156,18 @@ def test_unknown_eval_key_names_its_path(workspace, tiny_model_dir, capsys):
     code = eval_main(["--params", str(workspace / "typo.yaml"), "--model", str(tiny_model_dir),
                       "--out", str(workspace / "typo"), "--no-progress"])
     assert code == 2 and "eval.sample" in capsys.readouterr().err
+
+
+def test_an_override_on_the_stage_command_is_what_runs_and_what_mlflow_records(workspace, tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("LOUPE_TRACKING", "on")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{workspace / 'mlflow.db'}")
+    monkeypatch.delenv("LOUPE_PARAMS_OVERRIDES", raising=False)
+    assert eval_main(["--params", str(workspace / "params.yaml"), "--model", str(tiny_model_dir), "--out",
+                      str(workspace / "overridden"), "--no-progress", "eval.samples=1"]) == 0
+    metrics = json.loads((workspace / "overridden" / "model" / "metrics.json").read_text())
+    assert metrics["benchmarks"]["synthetic"]["samples_per_question"] == 1  # the file says 2
+
+    import mlflow
+
+    [run] = mlflow.search_runs(experiment_names=["loupe"], output_format="list")
+    assert run.data.tags["loupe.overrides"] == "eval.samples=1" and run.data.params["eval.samples"] == "1"

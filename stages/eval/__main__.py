@@ -55,6 +55,7 @@ from loupe.config import (
     RolloutParams,
     load_section,
     load_seed,
+    params_with_overrides,
 )
 from loupe.data.benchmarks import load_benchmark
 from loupe.data.tasks import TaskRecord
@@ -62,11 +63,11 @@ from loupe.io import atomic_write_json
 from loupe.plots import line_plot
 from loupe.rewards import LLMJudge, build_judge, score_trajectory
 from loupe.rollout import Engine, RolloutStats, make_engine, run_rollouts
+from loupe.sample_metrics import SampleRecord, summarize
 from loupe.tracking import stage_run
 from loupe.trajectory import JsonlWriter, Trajectory
 from loupe.viewer import render_html
 from stages.eval.comparison import compare, comparison_plot, turn_scaling_rows
-from loupe.sample_metrics import SampleRecord, summarize
 from stages.eval.params import EvalParams
 
 BARE_MODEL_NAME = "model"
@@ -331,8 +332,11 @@ def main(argv: list[str] | None = None) -> int:
                              "(evaluated in order into OUT/NAME/); a bare PATH is named 'model'")
     parser.add_argument("--out", type=Path, required=True, help="output folder")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("overrides", nargs="*", metavar="KEY.PATH=VALUE",
+                        help="params set on top of the file, as in it (e.g. rl.lr=1e-6); recorded in MLflow")
     args = parser.parse_args(argv)
     try:
+        args.params = params_with_overrides(args.params, args.overrides)
         models = parse_models(args.model)
         comparison = evaluate_models(args.params, models, args.out, progress=not args.no_progress)
     except (ParamsError, FileNotFoundError, ValueError) as err:

@@ -16,6 +16,7 @@ into --out:
 
 Launch:
     python -m stages.rl --params params.yaml --model work/sft/model --tasks work/data/tasks --out work/rl
+    python -m stages.rl ... rl.lr=1e-6 rl.kl.coef=0.01     # values set on top of the file, as verl users write them
 On a cluster: `ray start --head` on one node and `ray start --address HEAD:6379` on the others, then run
 the same command on the head with RAY_ADDRESS=auto and `rl.ray.gpus_per_node`/`nodes` set (docs/rl.md).
 """
@@ -26,7 +27,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from loupe.config import ParamsError
+from loupe.config import ParamsError, params_with_overrides
 from loupe.tracking import stage_run
 from stages.rl.trainer import Trainer, read_inputs
 
@@ -68,8 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--section", default="rl",
                         help="params section to train with (default: rl; a second RL stage reads its own, e.g. rl_fre)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("overrides", nargs="*", metavar="KEY.PATH=VALUE",
+                        help="params set on top of the file, as in it (e.g. rl.lr=1e-6); recorded in MLflow")
     args = parser.parse_args(argv)
     try:
+        args.params = params_with_overrides(args.params, args.overrides)
         metrics = train(args.params, args.model, args.tasks, args.out, progress=not args.no_progress,
                         section=args.section)
     except (ParamsError, FileNotFoundError, ValueError) as err:

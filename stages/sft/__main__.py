@@ -30,7 +30,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loupe.config import ParamsError, ProtocolParams, load_section, load_seed
+from loupe.config import (
+    ParamsError,
+    ProtocolParams,
+    load_section,
+    load_seed,
+    params_with_overrides,
+)
 from loupe.io import atomic_write_json
 from loupe.tracking import stage_run, tracking_uri
 from stages.sft import checks, export, images, llamafactory_config, report, runner
@@ -164,8 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--verbose", action="store_true",
                         help="stream LLaMA-Factory's own output here (it always goes to OUT/llamafactory/train.log)")
+    parser.add_argument("overrides", nargs="*", metavar="KEY.PATH=VALUE",
+                        help="params set on top of the file, as in it (e.g. rl.lr=1e-6); recorded in MLflow")
     args = parser.parse_args(argv)
     try:
+        args.params = params_with_overrides(args.params, args.overrides)
         metrics = run_sft(args.params, args.model, args.dataset, args.out, progress=not args.no_progress,
                           verbose=args.verbose)
     except (ParamsError, checks.InputError, FileNotFoundError) as err:

@@ -35,6 +35,7 @@ from loupe.config import (
     RolloutParams,
     load_section,
     load_seed,
+    params_with_overrides,
 )
 from loupe.data.tasks import TaskRecord, read_tasks
 from loupe.io import atomic_write_json
@@ -262,8 +263,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="task folder (reads <synth.split>.jsonl) or a .jsonl file; oracle and openai teachers")
     parser.add_argument("--out", type=Path, required=True, help="output folder")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("overrides", nargs="*", metavar="KEY.PATH=VALUE",
+                        help="params set on top of the file, as in it (e.g. rl.lr=1e-6); recorded in MLflow")
     args = parser.parse_args(argv)
     try:
+        args.params = params_with_overrides(args.params, args.overrides)
         metrics = synthesize(args.params, args.tasks, args.out, progress=not args.no_progress)
     except (ParamsError, FileNotFoundError, ValueError) as err:
         print(f"synth: {err}", file=sys.stderr)
