@@ -69,3 +69,48 @@ def test_custom_reward_sees_the_trajectory():
     assert [s["total"] for s in found] == [0.0, 0.0]
     t = _trajectory(2, "red")
     assert pool.score([t])[0]["total"] == 1.0 and pool.score([t])[0]["matched_by"] == "custom"
+
+
+def test_a_verl_compute_score_is_called_as_verl_calls_it(tmp_path):
+    """verl's `compute_score(data_source, solution_str, ground_truth, extra_info)`: the response's text, the
+    record's solution and extra fields; a dict's `score` is the total and its `acc` the accuracy."""
+    source = tmp_path / "verl_reward.py"
+    source.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    right = ground_truth in solution_str\n"
+        "    return {'score': (2.0 if right else -1.0) + (0.5 if data_source == 'geo' else 0.0),\n"
+        "            'acc': float(right), 'seen': extra_info.get('hint')}\n"
+    )
+    pool = RewardPool(RewardConfig(), custom_reward=f"{source}:compute_score")
+    right, wrong = _trajectory(0, "red"), _trajectory(1, "blue")
+    right.task = {**right.task, "data_source": "geo", "hint": "look left"}
+    scored = pool.score([right, wrong])
+    assert [s["total"] for s in scored] == [2.5, -1.0]
+    assert [s["accuracy"] for s in scored] == [1.0, 0.0]
+    plain = tmp_path / "plain.py"
+    plain.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info):\n    return 'yes'\n")
+    import pytest
+
+    from loupe.rewards import CustomRewardError
+
+    with pytest.raises(CustomRewardError, match="expected a number or a dict with 'score'"):
+        RewardPool(RewardConfig(), custom_reward=f"{plain}:compute_score").score([wrong])
+
+
+def test_rewards_follow_the_tasks_data_source():
+    """verl dispatches by data_source; so does `by_data_source`: the same answer, scored by each source's rule."""
+    from loupe.data.tasks import TaskRecord
+    from loupe.rewards import score
+
+    cfg = RewardConfig(free_form_match="exact", format_weight=0.5,
+                       by_data_source={"math": {"free_form_match": "math", "format_weight": 0.0}})
+    def task(source):
+        return TaskRecord(doc_id="q", images=[], problem="Half of one?", solution="\\frac{1}{2}", data_source=source)
+    as_math = score(task("math"), "0.5", "answered", 0, 0, True, cfg)
+    as_text = score(task("visual"), "0.5", "answered", 0, 0, True, cfg)
+    assert (as_math.accuracy, as_math.total, as_math.matched_by) == (1.0, 1.0, "math")
+    assert (as_text.accuracy, as_text.total, as_text.matched_by) == (0.0, 0.5, "exact")
+    import pytest
+
+    with pytest.raises(ValueError, match="by_data_source.vstar: judge: a judge section is required"):
+        RewardConfig(by_data_source={"vstar": {"free_form_match": "judge"}})

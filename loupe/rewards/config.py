@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    model_validator,
+)
 
 
 class JudgeConfig(BaseModel):
@@ -68,6 +75,12 @@ class RewardConfig(BaseModel):
     """Choice questions: ask the judge when the letter cascade finds no letter (needs `judge`)."""
     judge: JudgeConfig | None = None
     """The LLM judge; required when `free_form_match` is `judge` or `choice_judge_fallback` is on."""
+    by_data_source: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """Reward settings for the tasks of one `data_source`, set over the ones above (verl's
+    `default_compute_score` picks a scorer by data_source; DeepEyes scores its ThinkLite math rows with a math
+    rule and its visual rows with the judge): `{thinklite: {free_form_match: math}}`. Each is validated as a
+    whole RewardConfig; the judge is the one above."""
+    _by_source: dict[str, RewardConfig] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="after")
     def _judge_configured_when_used(self) -> RewardConfig:
@@ -75,7 +88,27 @@ class RewardConfig(BaseModel):
             raise ValueError(
                 "judge: a judge section is required when free_form_match is 'judge' or choice_judge_fallback is on"
             )
+        base = self.model_dump(exclude={"by_data_source"})
+        for source, settings in self.by_data_source.items():
+            if "by_data_source" in settings or "judge" in settings:
+                raise ValueError(f"by_data_source.{source}: sets the scoring rules only; the judge is the one above")
+            try:
+                self._by_source[source] = RewardConfig(**{**base, **settings})
+            except ValidationError as err:
+                reasons = "; ".join(".".join(str(p) for p in e["loc"]) + (": " if e["loc"] else "")
+                                    + e["msg"].removeprefix("Value error, ") for e in err.errors())
+                raise ValueError(f"by_data_source.{source}: {reasons}") from None
         return self
+
+    @property
+    def wants_judge(self) -> bool:
+        """Whether any task, of any data source, may be sent to the judge."""
+        own = self.free_form_match == "judge" or self.choice_judge_fallback
+        return own or any(cfg.wants_judge for cfg in self._by_source.values())
+
+    def for_source(self, data_source: str | None) -> RewardConfig:
+        """The settings that score a task of `data_source`: its `by_data_source` entry, or these."""
+        return self._by_source.get(data_source or "", self)
 
     @classmethod
     def deepeyes(cls, **overrides: Any) -> RewardConfig:

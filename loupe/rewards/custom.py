@@ -15,6 +15,11 @@ from loupe.rewards.parts import RewardParts
 SCORE_ARGUMENTS = ("task", "answer", "end_reason", "num_tool_calls", "num_format_errors", "has_think", "cfg", "judge")
 """The keyword arguments a custom reward function is called with (`score`'s, less its optional `final_text`)."""
 
+VERL_ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")
+"""verl's custom reward signature (`verl/trainer/ppo/reward.py`, `get_custom_reward_fn`, called by its reward
+managers as `compute_score(data_source, solution_str, ground_truth, extra_info)`): a function whose parameters
+are these is called so, with the response text, and may return a number or a dict holding `score`."""
+
 
 class CustomRewardError(ValueError):
     """A custom reward spec that cannot be loaded, or a custom function that returned something unusable."""
@@ -27,6 +32,11 @@ def load_custom_reward(spec: str) -> Callable[..., RewardParts]:
     num_format_errors, has_think, cfg, judge; it may take `**kwargs` for those it ignores) and returns either
     `RewardParts` or a plain number, taken as the total (accuracy then reads None: not measured). It may call
     `loupe.rewards.score` itself and adjust the result.
+
+    A verl reward function, `compute_score(data_source, solution_str, ground_truth, extra_info)`, is called the
+    verl way instead (`VERL_ARGUMENTS`): the wrapper then needs `task` and `response` (the assistant turns'
+    text, joined by newlines: one turn is verl's decoded response exactly) and passes the record's extra fields
+    as `extra_info`. A dict it returns gives the total from `score` and the accuracy from `acc` when present.
     """
     path_text, sep, name = spec.rpartition(":")
     if not sep or not path_text or not name:
@@ -53,6 +63,8 @@ def load_custom_reward(spec: str) -> Callable[..., RewardParts]:
         raise CustomRewardError(f"custom reward {spec!r}: {path} defines no {name!r}; callables there: {public}")
     if not callable(function):
         raise CustomRewardError(f"custom reward {spec!r}: {name!r} is not callable")
+    if _takes_verl_arguments(function):
+        return _verl_reward(function, spec, name)
     try:
         inspect.signature(function).bind(**{arg: None for arg in SCORE_ARGUMENTS})
     except TypeError as err:
@@ -76,3 +88,36 @@ def load_custom_reward(spec: str) -> Callable[..., RewardParts]:
     custom_reward.__name__ = f"custom_reward[{name}]"
     custom_reward.__wrapped__ = function  # type: ignore[attr-defined]
     return custom_reward
+
+
+def _takes_verl_arguments(function: Callable[..., Any]) -> bool:
+    try:
+        parameters = inspect.signature(function).parameters
+    except ValueError:
+        return False
+    return {"solution_str", "ground_truth"} <= set(parameters)
+
+
+def _verl_reward(function: Callable[..., Any], spec: str, name: str) -> Callable[..., RewardParts]:
+    """The wrapper of a verl-style `compute_score` (see `load_custom_reward`)."""
+
+    def verl_reward(*, task: Any, response: str, **_: Any) -> RewardParts:
+        extra = dict(getattr(task, "model_extra", None) or {})
+        value = function(data_source=task.data_source, solution_str=response, ground_truth=task.solution,
+                         extra_info=extra)
+        accuracy = None
+        if isinstance(value, dict):
+            if "score" not in value:
+                raise CustomRewardError(f"custom reward {spec!r} returned a dict without 'score': {sorted(value)}")
+            accuracy = value.get("acc")
+            value = value["score"]
+        if isinstance(value, Real) and not isinstance(value, bool):
+            return RewardParts(None if accuracy is None else float(accuracy), 0.0, 0.0, float(value), True, None,
+                               None, "custom")
+        raise CustomRewardError(f"custom reward {spec!r} returned {type(value).__name__}; expected a number or a "
+                                "dict with 'score' (verl's compute_score)")
+
+    verl_reward.__name__ = f"verl_reward[{name}]"
+    verl_reward.__wrapped__ = function  # type: ignore[attr-defined]
+    verl_reward.verl_style = True  # type: ignore[attr-defined]
+    return verl_reward

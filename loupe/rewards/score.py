@@ -53,6 +53,7 @@ def score(
     """
     if end_reason not in END_REASONS:
         raise ValueError(f"unknown end_reason {end_reason!r}; expected one of {', '.join(END_REASONS)}")
+    cfg = cfg.for_source(task.data_source)
     wants_judge = (cfg.free_form_match == "judge" and not task.is_choice) or (
         cfg.choice_judge_fallback and task.is_choice
     )
@@ -99,7 +100,7 @@ def score(
 
 def build_judge(cfg: RewardConfig) -> LLMJudge | None:
     """The LLM judge `cfg` asks for, or None when every answer is scored by rules."""
-    if cfg.judge is None or not (cfg.free_form_match == "judge" or cfg.choice_judge_fallback):
+    if cfg.judge is None or not cfg.wants_judge:
         return None
     return LLMJudge(cfg.judge)
 

@@ -288,7 +288,9 @@ class RLParams(Section):
     """How trajectories are scored (accuracy, format, tool bonus/penalty, LLM judge)."""
     custom_reward: str | None = None
     """A reward function as 'path/to/file.py:function' replacing the built-in score (loupe.rewards'
-    load_custom_reward); a function that also takes `trajectory=` receives the whole trajectory."""
+    load_custom_reward); a function that also takes `trajectory=` receives the whole trajectory, and a verl
+    reward function, `compute_score(data_source, solution_str, ground_truth, extra_info)`, is called as verl
+    calls it, with the response's text."""
     remote_reward: RemoteRewardConfig | None = None
     """A reward server in OpenRLHF's `--remote_rm_url` format ({url, name, batch_size, concurrency, timeout_s,
     max_retries, backoff_s, max_backoff_s, cache_dir}; loupe.remote_reward) whose reward replaces the total

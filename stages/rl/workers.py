@@ -145,7 +145,7 @@ class RewardPool:
         self.custom = load_custom_reward(custom_reward) if custom_reward else None
         wrapped = getattr(self.custom, "__wrapped__", None)
         self.custom_takes_trajectory = False
-        if wrapped is not None:
+        if wrapped is not None and not getattr(self.custom, "verl_style", False):
             parameters = inspect.signature(wrapped).parameters
             self.custom_takes_trajectory = "trajectory" in parameters or any(
                 p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()
@@ -167,6 +167,8 @@ class RewardPool:
         }
         if self.custom_takes_trajectory:
             kwargs["trajectory"] = trajectory
+        if getattr(self.custom, "verl_style", False):
+            kwargs["response"] = "\n".join(assistant)
         return self.custom(**kwargs).to_dict()
 
     def score(self, trajectories: list[Trajectory]) -> list[dict[str, Any]]:
