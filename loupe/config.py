@@ -76,7 +76,20 @@ class ProtocolParams(Section):
     max_context_tokens: int = Field(8192, ge=64)
     """Tokens a dialogue may hold; a turn that could overflow it ends the trajectory as over_turn."""
     format_error_retries: int = Field(1, ge=0)
-    """Error observations given back after malformed turns before the trajectory ends as format_error."""
+    """The malformed-turn policy: error turns given back after malformed turns (or refused tool calls) before
+    the trajectory ends as format_error. 0 ends at the first; a number at least `max_turns` answers every one
+    and lets the dialogue go on to its turn limit (DeepEyes and Mini-o3 do so)."""
+    observation_template: str | None = None
+    """The user turn that returns a crop, in place of the protocol's: `{image}` marks where the crop goes (once)
+    and `{index}` is its number (DeepEyes: "<tool_response>{image}" + its USER_PROMPT_V2 + "</tool_response>")."""
+    error_template: str | None = None
+    """The user turn after a malformed turn, in place of the protocol's: `{error}` is why (DeepEyes: "Error: {error}")."""
+    tool_extra_arguments: list[str] = Field(default_factory=list)
+    """Tool-call argument names accepted and ignored besides the tool's own (DeepEyes' schema and example
+    call carry an optional `label`, which its tool does not read)."""
+    min_crop_side: int = Field(1, ge=1)
+    """A crop whose shorter side, in pixels of the original, is below this is refused with an error turn
+    (DeepEyes: 31, since its tool needs both sides above 30 px)."""
     max_decode_pixels: int = Field(400_000_000, gt=0)
     """Source images larger than this are refused before decoding (decompression-bomb guard)."""
     prompt_template: str | None = None
@@ -95,6 +108,22 @@ class ProtocolParams(Section):
 
         if self.name not in PROTOCOLS:
             raise ValueError(f"name: unknown protocol {self.name!r}; known: {', '.join(sorted(PROTOCOLS))}")
+        return self
+
+    @model_validator(mode="after")
+    def _turn_templates_fit(self) -> "ProtocolParams":
+        for name, fields in (("observation_template", {"image": "<image>", "index": 1}),
+                             ("error_template", {"error": "x"})):
+            text = getattr(self, name)
+            if text is None:
+                continue
+            try:
+                text.format(**fields)
+            except (KeyError, IndexError, ValueError) as err:
+                raise ValueError(f"{name}: {err!r}; the fields are {', '.join('{' + f + '}' for f in fields)} "
+                                 "(double a literal brace: {{ }})") from None
+        if self.observation_template is not None and self.observation_template.count("{image}") != 1:
+            raise ValueError("observation_template: must hold {image} exactly once, where the crop goes")
         return self
 
     @model_validator(mode="after")
@@ -119,7 +148,7 @@ class ProtocolParams(Section):
 
     @property
     def budget(self) -> PixelBudget:
-        return PixelBudget(self.min_pixels, self.max_pixels)
+        return PixelBudget(self.min_pixels, self.max_pixels, self.min_crop_side)
 
 
 class OpenAIEndpointParams(Section):

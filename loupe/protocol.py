@@ -205,11 +205,12 @@ def _load_json_object(payload: str, what: str) -> dict[str, Any]:
     return value
 
 
-def _check_keys(obj: dict[str, Any], required: tuple[str, ...], what: str) -> None:
+def _check_keys(obj: dict[str, Any], required: tuple[str, ...], what: str, accepted: tuple[str, ...] = ()) -> None:
+    """Every `required` key present, and nothing else but the `accepted` ones (read by no tool)."""
     for key in required:
         if key not in obj:
             raise _Invalid(FormatErrorKind.MISSING_KEY, f"{what} lacks the key '{key}'")
-    extra = sorted(set(obj) - set(required))
+    extra = sorted(set(obj) - set(required) - set(accepted))
     if extra:
         shown = ", ".join(_shown(key, 30) for key in extra[:3]) + (", ..." if len(extra) > 3 else "")
         raise _Invalid(FormatErrorKind.WRONG_TYPE, f"{what} has unexpected keys [{shown}]")
@@ -274,6 +275,24 @@ class Protocol:
     """A compiled Jinja prompt template for the question turn (`protocol.prompt_template`), or None."""
     system_override: str | None = None
     """A recipe's system prompt in place of the protocol's (`protocol.system_prompt`), or None."""
+    observation_override: str | None = None
+    """A recipe's crop-returning turn (`protocol.observation_template`: `{image}`, `{index}`), or None."""
+    error_override: str | None = None
+    """A recipe's error turn (`protocol.error_template`: `{error}`), or None."""
+    extra_arguments: tuple[str, ...] = ()
+    """Tool-call argument names accepted and ignored (`protocol.tool_extra_arguments`)."""
+
+    def observation_turn(self, index: int) -> str:
+        """The user turn returning crop `index`: the recipe's template when set, else the protocol's own."""
+        if self.observation_override is None:
+            return self.observation_text(index)
+        return self.observation_override.format(image=IMAGE_PLACEHOLDER, index=index)
+
+    def error_turn(self, detail: str | FormatError) -> str:
+        """The user turn after a malformed turn: the recipe's template when set, else the protocol's own."""
+        if self.error_override is None:
+            return self.error_text(detail)
+        return self.error_override.format(error=_error_detail(detail))
 
     def system_prompt(self) -> str:
         """The system prompt every dialogue starts with: the override when set, else the protocol's own."""
@@ -425,7 +444,7 @@ class MiniO3Protocol(Protocol):
 
     def _read_call(self, payload: str, num_observations: int) -> ToolCall:
         obj = _load_json_object(payload, "the grounding call")
-        _check_keys(obj, ("bbox_2d", "source"), "the grounding call")
+        _check_keys(obj, ("bbox_2d", "source"), "the grounding call", self.extra_arguments)
         box = _check_box(obj["bbox_2d"], upper=1.0)
         source = obj["source"]
         if not isinstance(source, str):
@@ -512,7 +531,7 @@ class DeepEyesProtocol(Protocol):
             raise _Invalid(FormatErrorKind.UNKNOWN_TOOL, f"unknown tool {shown}; use {self.tool_name!r}")
         if not isinstance(obj["arguments"], dict):
             raise _Invalid(FormatErrorKind.WRONG_TYPE, "'arguments' must be a JSON object")
-        _check_keys(obj["arguments"], ("bbox_2d",), "the tool call's arguments")
+        _check_keys(obj["arguments"], ("bbox_2d",), "the tool call's arguments", self.extra_arguments)
         box = _check_box(obj["arguments"]["bbox_2d"], upper=None)
         return ToolCall("crop", {"bbox_2d": list(box), "source": ORIGINAL_IMAGE, "frame": "absolute"})
 
@@ -605,6 +624,9 @@ def make_protocol(params: Any) -> Protocol:
         protocol.template = compile_template(params.template_text, params.prompt_template)
     if getattr(params, "system_prompt", None) is not None:
         protocol.system_override = params.system_prompt
+    protocol.observation_override = getattr(params, "observation_template", None)
+    protocol.error_override = getattr(params, "error_template", None)
+    protocol.extra_arguments = tuple(getattr(params, "tool_extra_arguments", ()) or ())
     return protocol
 
 

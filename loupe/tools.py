@@ -44,6 +44,9 @@ class PixelBudget:
 
     min_pixels: int = 40_000
     max_pixels: int = 2_000_000
+    min_crop_side: int = 1
+    """A crop whose shorter side, in pixels of the original, is below this is refused (DeepEyes: 31, its tool
+    needs both sides above 30 px)."""
 
     def __post_init__(self) -> None:
         if not 0 < self.min_pixels <= self.max_pixels:
@@ -214,6 +217,9 @@ def crop(session: ImageSession, arguments: dict[str, Any], budget: PixelBudget) 
     right, bottom = math.ceil(composed[2] - 1e-9), math.ceil(composed[3] - 1e-9)
     right, bottom = max(right, left + 1), max(bottom, top + 1)
     crop_w, crop_h = right - left, bottom - top
+    if min(crop_w, crop_h) < budget.min_crop_side:
+        return ToolError(ToolErrorKind.DEGENERATE_BOX, f"the box is {crop_w}x{crop_h} px of the original; both sides "
+                                                       f"must be at least {budget.min_crop_side} px")
     if max(crop_w, crop_h) / min(crop_w, crop_h) > MAX_ASPECT_RATIO:
         return ToolError(
             ToolErrorKind.DEGENERATE_BOX,

@@ -199,3 +199,30 @@ def test_trajectories_round_trip_with_crops(task_dir, tmp_path):
     assert crop.size == tuple(t.turns[2].crop["size"])
     # The crop shows the red square: the box [640, 480, 1120, 840] holds it at its centre.
     assert crop.getpixel((crop.width // 2, crop.height // 2)) == (255, 0, 0)
+
+
+def test_a_recipes_turn_templates_extra_arguments_and_minimum_crop_are_what_the_model_sees(task_dir):
+    """DeepEyes' shape on the mini_o3 grammar: the crop comes back inside the recipe's tool-response template,
+    an error in its error template, a `label` argument is accepted (and ignored), and a crop whose shorter side
+    is under the minimum is refused with an error turn; errors are answered until the turn limit."""
+    labelled = ('<think>look</think>\n<grounding>{"bbox_2d": [0.5, 0.5, 0.6, 0.6], "source": "original_image", '
+                '"label": "the red square"}</grounding>')
+    small = call([0.5, 0.5, 0.51, 0.51])  # 16 x 12 px of the 1600 x 1200 original
+    engine = ScriptedEngine([[labelled, small, "no tags at all", ANSWER_B]])
+    protocol = params(observation_template="<tool_response>{image}\nThink first. ({index})</tool_response>",
+                      error_template="Error: {error}", tool_extra_arguments=["label"], min_crop_side=31,
+                      format_error_retries=6)
+    [t] = run_rollouts([make_task()], engine, protocol, task_dir)
+    assert t.end_reason == "answered" and t.num_tool_calls == 2 and t.num_format_errors == 2
+    observation, refused, no_action = t.turns[2], t.turns[4], t.turns[6]
+    assert observation.text == "<tool_response><image>\nThink first. (1)</tool_response>" and observation.images
+    assert refused.text.startswith("Error: the box is 16x12 px of the original; both sides must be at least 31 px")
+    assert no_action.text.startswith("Error: ") and not no_action.images
+
+
+def test_turn_templates_are_checked_when_the_params_load():
+    with pytest.raises(ValueError, match=r"observation_template: must hold \{image\} exactly once"):
+        params(observation_template="<tool_response></tool_response>")
+    with pytest.raises(ValueError, match="error_template"):
+        params(error_template="Error: {reason}")
+    assert params(error_template="{{literal}} {error}").error_template  # doubled braces are text

@@ -217,7 +217,7 @@ def _take_turn(
     if item.errors_left <= 0 or trajectory.num_turns >= turn_limit:
         return "format_error"
     item.errors_left -= 1
-    message = protocol.error_text(detail)
+    message = protocol.error_turn(detail)
     trajectory.turns.append(Turn("user", message, error=f"{error_kind}: {detail}"))
     return _append_user(item, message, [], engine, protocol_params, max_new_tokens)
 
@@ -235,7 +235,7 @@ def _add_observation(
     number = int(name.rsplit("_", 1)[1])
     source_index = 0 if result.source == "original_image" else _observation_image_index(trajectory, result.source)
     index = trajectory.add_image(result.image)
-    text = protocol.observation_text(number)
+    text = protocol.observation_turn(number)
     trajectory.turns.append(
         Turn(
             "user",

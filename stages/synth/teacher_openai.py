@@ -103,7 +103,7 @@ def _render(path: Path, data: dict[str, Any], protocol: Protocol) -> str:
             raise ExemplarError(f"{where}: expected an {expected} turn, got {role!r}")
         if role == "observation":
             observations += 1
-            lines.append(f"User: {protocol.observation_text(observations).replace(IMAGE_PLACEHOLDER, _describe(text))}")
+            lines.append(f"User: {protocol.observation_turn(observations).replace(IMAGE_PLACEHOLDER, _describe(text))}")
             continue
         action = protocol.parse(text, observations)
         if action.error is not None:
