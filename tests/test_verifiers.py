@@ -105,8 +105,10 @@ def test_r1v_format(text, matches):
     assert format_reward("answered", True, 0, "r1v", text, "12") == (1.0 if matches else 0.0)
 
 
-def test_r1v_format_needs_an_answered_trajectory():
-    assert format_reward("length", True, 0, "r1v", "<think>x</think><answer>1</answer>", "1") == 0.0
+def test_r1v_format_reads_the_completion_as_written_whatever_ended_it():
+    """R1-V has no parser: its format reward full-matches every completion, unstripped (grpo.py, format_reward)."""
+    assert format_reward("format_error", True, 1, "r1v", "<think>x</think><answer></answer>", None) == 1.0
+    assert format_reward("answered", True, 0, "r1v", "\n<think>x</think><answer>1</answer>", "1") == 0.0
 
 
 def test_r1v_reward_sums_accuracy_and_format():

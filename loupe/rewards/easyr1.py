@@ -10,8 +10,8 @@ EASYR1_FORMAT = re.compile(r"<think>.*</think>.*\\boxed\{.*\}.*", re.DOTALL)
 _EASYR1_SPACES = re.compile(r"\s*(<|>|/)\s*")
 
 
-def easyr1_format(end_reason: str, final_text: str | None) -> float:
-    """1.0 when the trajectory answered and its final turn full-matches `EASYR1_FORMAT` after EasyR1's space
-    normalisation, else 0.0."""
+def easyr1_format(final_text: str | None) -> float:
+    """1.0 when the final turn full-matches `EASYR1_FORMAT` after EasyR1's space normalisation, else 0.0.
+    EasyR1 scores every response, cut at the token budget or not, so the end reason does not enter."""
     normalised = _EASYR1_SPACES.sub(r"\1", final_text or "")
-    return 1.0 if end_reason == "answered" and EASYR1_FORMAT.fullmatch(normalised) else 0.0
+    return 1.0 if EASYR1_FORMAT.fullmatch(normalised) else 0.0

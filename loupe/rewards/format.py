@@ -22,14 +22,15 @@ def format_reward(
     - `loupe`: 1.0 for a clean answer; 0.5 for an answer without `<think>` or after format errors; 0.0 for no
       answer. A trajectory that did not end by answering (over_turn, format_error, length) earns nothing: its
       last turn was not a well-formed answer. Over-turn masking is the learner's business, not this function's.
-    - `r1v`: `loupe.rewards.r1v.r1v_format` (the final turn is exactly think then answer).
+    - `r1v`: `loupe.rewards.r1v.r1v_format` (the final turn, as written, is exactly think then answer;
+      R1-V scores every completion, answered or not).
     - `easyr1`: `loupe.rewards.easyr1.easyr1_format` (think, then a `\\boxed{}`).
     - `deepeyes`: `loupe.rewards.deepeyes.deepeyes_format` (-1 after a broken turn, else 0).
     """
     if rule == "r1v":
-        return r1v_format(end_reason, final_text)
+        return r1v_format(final_text)
     if rule == "easyr1":
-        return easyr1_format(end_reason, final_text)
+        return easyr1_format(final_text)
     if rule == "deepeyes":
         return deepeyes_format(end_reason, num_format_errors, answer)
     if rule != "loupe":

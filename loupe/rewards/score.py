@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from loupe.data.tasks import OPTION_LETTERS, TaskRecord
-from loupe.protocol import IMAGE_PLACEHOLDER
+from loupe.protocol import IMAGE_PLACEHOLDER, last_boxed
 from loupe.rewards.choice import extract_choice
 from loupe.rewards.config import RewardConfig
 from loupe.rewards.deepeyes import DEEPEYES_MAX_ANSWER_CHARS
@@ -12,6 +12,7 @@ from loupe.rewards.format import format_reward
 from loupe.rewards.judge import JudgeResult, LLMJudge
 from loupe.rewards.math_grading import grade_answer, math_equal
 from loupe.rewards.parts import RewardParts
+from loupe.rewards.r1v import r1v_accuracy
 from loupe.rewards.text import exact_match
 from loupe.trajectory import END_REASONS, Trajectory
 
@@ -63,7 +64,13 @@ def score(
     fmt = format_reward(end_reason, has_think, num_format_errors, cfg.format_rule, final_text, answer)
     extracted: str | None = None
     verdict: JudgeResult | None = None
-    if end_reason != "answered" or not (answer or "").strip():
+    if cfg.free_form_match == "r1v":  # R1-V reads every completion whole, answered or not
+        extracted = final_text
+        accuracy, matched_by = r1v_accuracy(final_text, task.solution), "r1v"
+    elif cfg.free_form_match == "mathruler":  # EasyR1: the last \boxed{} of the response, answered or not
+        extracted = last_boxed(final_text or "")
+        accuracy, matched_by = float(grade_answer(extracted if extracted is not None else "None", task.solution)), "mathruler"
+    elif end_reason != "answered" or not (answer or "").strip():
         accuracy, matched_by = 0.0, "no_answer"
     elif task.is_choice:
         extracted = extract_choice(answer, task.options or [])
@@ -74,9 +81,6 @@ def score(
     elif cfg.free_form_match == "math":
         extracted = answer
         accuracy, matched_by = float(math_equal(answer, task.solution)), "math"
-    elif cfg.free_form_match == "mathruler":
-        extracted = answer
-        accuracy, matched_by = float(grade_answer(answer, task.solution)), "mathruler"
     else:
         extracted = answer
         accuracy, matched_by = float(exact_match(answer, task.solution)), "exact"
