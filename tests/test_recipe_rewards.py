@@ -23,8 +23,29 @@ from pipelines.workspace import read_recipe
 REPO = Path(__file__).resolve().parent.parent
 CASES = Path(__file__).parent / "fixtures" / "recipes" / "rewards"
 
-SINGLE_TURN = {"r1-v": "accuracy_reward", "easyr1-geo": "accuracy"}
+SINGLE_TURN = {"r1-v": "accuracy_reward", "easyr1-geo": "accuracy", "lmm-r1": "accuracy"}
 """Single-turn presets and the name of the accuracy term in their cases."""
+
+KNOWN_DIFFERENCES = {
+    # LMM-R1's server falls back to the whole query when the response is empty, and the query's system prompt
+    # shows `$\boxed{2}$`: upstream pays 1.0 accuracy on a reference of 2. Loupe scores the empty response
+    # (loupe/rewards/lmm_r1.py says why; docs/recipes.md lists it).
+    ("lmm-r1", "lr16_empty_response_gt_2"): {"total": 0.0, "accuracy": 0.0},
+}
+"""Cases where the preset knowingly pays other than upstream: Loupe's value, asserted as such."""
+
+
+def _antlr() -> str:
+    from importlib.metadata import version
+
+    return version("antlr4-python3-runtime")
+
+
+if _antlr().startswith("4.9"):
+    # The CPU stack holds antlr 4.9.3 (LLaMA-Factory's hydra and omegaconf pin 4.9.*), and latex2sympy2_extended
+    # 1.11.0's parser for that runtime has no FUNC_GAMMA, which its converter asks every atom for before a
+    # percentage: `50\%` does not parse, so its value is not 1/2. The rl and eval images (antlr 4.13.2) parse it.
+    KNOWN_DIFFERENCES[("lmm-r1", "lr23_percent")] = {"total": 0.5, "accuracy": 0.0}
 
 
 def _cases(preset: str) -> list[dict]:
@@ -57,9 +78,9 @@ def _single_turn_score(protocol_name: str, cfg: RewardConfig, case: dict):
 def test_single_turn_presets_pay_what_upstream_pays(preset, case):
     protocol_name, cfg = _settings(preset)
     parts = _single_turn_score(protocol_name, cfg, case)
-    expected = case["expected"]
+    expected = KNOWN_DIFFERENCES.get((preset, case["id"])) or case["expected"]
     assert parts.total == pytest.approx(expected["total"]), f"{case['id']}: {case['why']} ({case['cite']})"
-    assert parts.accuracy == pytest.approx(expected[SINGLE_TURN[preset]])
+    assert parts.accuracy == pytest.approx(expected.get(SINGLE_TURN[preset], expected.get("accuracy")))
 
 
 def test_each_preset_has_at_least_15_cases_each_citing_upstream():

@@ -60,19 +60,22 @@ class RewardConfig(BaseModel):
     """Subtracted per tool call beyond `free_tool_calls`."""
     free_tool_calls: int = Field(default=0, ge=0)
     """Tool calls that cost nothing before `tool_call_penalty` applies."""
-    free_form_match: Literal["exact", "judge", "math", "mathruler", "r1v"] = "exact"
+    free_form_match: Literal["exact", "judge", "math", "mathruler", "r1v", "lmm_r1"] = "exact"
     """Free-form answers: normalised exact match only; exact match then the LLM judge for the rest; or `math`,
     equal by value through math-verify (`\\frac{1}{2}` = 0.5, `\\boxed{60}` = 60), then exact match
     (`loupe.rewards.math_grading.math_equal`: R1-V's, LMM-R1's and Pixel-Reasoner's verifier); or `mathruler`,
     EasyR1's grader (`loupe.rewards.math_grading.grade_answer`: an integer reference needs an integer answer,
     fractions must be written alike), on the response's last `\\boxed{}` whether it answered or not; or `r1v`,
     R1-V's `accuracy_reward` on the whole final turn (`loupe.rewards.r1v.r1v_accuracy`), choice questions
-    included."""
-    format_rule: Literal["loupe", "r1v", "easyr1", "deepeyes"] = "loupe"
+    included; or `lmm_r1`, LMM-R1's math verifier server in process (`loupe.rewards.lmm_r1`), likewise."""
+    format_rule: Literal["loupe", "r1v", "easyr1", "deepeyes", "lmm_r1"] = "loupe"
     """What the format part measures (see `format_reward`): `loupe` 1 / 0.5 / 0 for a clean answer / one without
     `<think>` or after format errors / none; `r1v` 1 when the final turn is exactly `<think>…</think>
     <answer>…</answer>` (R1-V's `format_reward`), else 0; `deepeyes` 0, or -1 after a format error (DeepEyes'
-    `vl_agent.compute_score`)."""
+    `vl_agent.compute_score`); `lmm_r1` 1 for LMM-R1's think-then-answer shape (`loupe.rewards.lmm_r1`)."""
+    upstream_bugs: Literal["reproduce", "fix"] = "reproduce"
+    """Where a recipe's reward has a plain bug, `reproduce` trains on it as the recipe did and `fix` mends it.
+    Covered: `lmm_r1` pays 1.0 for any answer when the reference does not parse (fix: exact match)."""
     choice_judge_fallback: bool = False
     """Choice questions: ask the judge when the letter cascade finds no letter (needs `judge`)."""
     judge: JudgeConfig | None = None

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from loupe.rewards.deepeyes import deepeyes_format
 from loupe.rewards.easyr1 import easyr1_format
+from loupe.rewards.lmm_r1 import lmm_r1_format
 from loupe.rewards.r1v import r1v_format
 
-FORMAT_RULES = ("loupe", "r1v", "easyr1", "deepeyes")
+FORMAT_RULES = ("loupe", "r1v", "easyr1", "deepeyes", "lmm_r1")
 
 
 def format_reward(
@@ -26,11 +27,14 @@ def format_reward(
       R1-V scores every completion, answered or not).
     - `easyr1`: `loupe.rewards.easyr1.easyr1_format` (think, then a `\\boxed{}`).
     - `deepeyes`: `loupe.rewards.deepeyes.deepeyes_format` (-1 after a broken turn, else 0).
+    - `lmm_r1`: `loupe.rewards.lmm_r1.lmm_r1_format` (LMM-R1's server, on the raw completion).
     """
     if rule == "r1v":
         return r1v_format(final_text)
     if rule == "easyr1":
         return easyr1_format(final_text)
+    if rule == "lmm_r1":
+        return lmm_r1_format(final_text)
     if rule == "deepeyes":
         return deepeyes_format(end_reason, num_format_errors, answer)
     if rule != "loupe":

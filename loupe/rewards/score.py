@@ -10,6 +10,7 @@ from loupe.rewards.config import RewardConfig
 from loupe.rewards.deepeyes import DEEPEYES_MAX_ANSWER_CHARS
 from loupe.rewards.format import format_reward
 from loupe.rewards.judge import JudgeResult, LLMJudge
+from loupe.rewards.lmm_r1 import lmm_r1_accuracy
 from loupe.rewards.math_grading import grade_answer, math_equal
 from loupe.rewards.parts import RewardParts
 from loupe.rewards.r1v import r1v_accuracy
@@ -67,6 +68,10 @@ def score(
     if cfg.free_form_match == "r1v":  # R1-V reads every completion whole, answered or not
         extracted = final_text
         accuracy, matched_by = r1v_accuracy(final_text, task.solution), "r1v"
+    elif cfg.free_form_match == "lmm_r1":  # LMM-R1's server reads every response whole
+        extracted = final_text
+        accuracy = lmm_r1_accuracy(final_text, task.solution, cfg.upstream_bugs == "fix")
+        matched_by = "lmm_r1"
     elif cfg.free_form_match == "mathruler":  # EasyR1: the last \boxed{} of the response, answered or not
         extracted = last_boxed(final_text or "")
         accuracy, matched_by = float(grade_answer(extracted if extracted is not None else "None", task.solution)), "mathruler"
