@@ -357,3 +357,13 @@ def test_the_learning_rate_follows_a_cosine_with_warmup_and_a_floor_and_resumes_
     assert resumed.get_last_lr()[0] == pytest.approx(rates[40])
     constant = lr_scheduler(torch.optim.AdamW([weight], lr=1e-3), _params(lr=1e-3))
     assert constant.get_last_lr()[0] == 1e-3  # the default: constant, no warm-up
+
+
+def test_optimiser_steps_can_be_given_in_the_upstreams_units():
+    """OpenRLHF counts samples per update (train_batch_size), verl and EasyR1 prompts (ppo_mini_batch_size)."""
+    assert _params(prompts_per_step=256, samples_per_prompt=16, samples_per_update=256).mini_batches == 16
+    assert _params(prompts_per_step=512, samples_per_prompt=5, prompts_per_update=128).mini_batches == 4
+    with pytest.raises(ValueError, match="does not divide"):
+        _params(prompts_per_step=10, samples_per_prompt=4, samples_per_update=16)
+    with pytest.raises(ValueError, match="one way"):
+        _params(prompts_per_step=8, samples_per_update=8, mini_batches=2)

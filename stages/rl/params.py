@@ -213,6 +213,12 @@ class RLParams(Section):
     """Passes over each batch."""
     mini_batches: int = Field(1, ge=1)
     """Optimiser steps per pass: the batch is split into this many mini-batches (1 is on-policy GRPO)."""
+    samples_per_update: int | None = Field(None, ge=1)
+    """The same in the units OpenRLHF's `train_batch_size` counts: sequences per optimiser step; mini_batches
+    is then prompts_per_step x samples_per_prompt / this (it must divide). Leave mini_batches unset with it."""
+    prompts_per_update: int | None = Field(None, ge=1)
+    """The same in the units verl's and EasyR1's `ppo_mini_batch_size` count: prompts (each with all its
+    samples) per optimiser step; mini_batches is then prompts_per_step / this (it must divide)."""
     micro_batch_size: int = Field(4, ge=1)
     """Sequences per forward/backward; gradients accumulate over a mini-batch's micro-batches."""
     batching: Literal["auto", "packed", "padded"] = "auto"
@@ -324,6 +330,28 @@ class RLParams(Section):
             overlong.setdefault("soft_punishment", True)
             data["overlong"] = overlong
         return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _updates_in_upstream_units(cls, data: Any) -> Any:
+        """mini_batches from samples_per_update or prompts_per_update, when one is given."""
+        if not isinstance(data, dict):
+            return data
+        given = [name for name in ("samples_per_update", "prompts_per_update") if data.get(name) is not None]
+        if not given:
+            return data
+        if len(given) > 1 or "mini_batches" in data:
+            raise ValueError(f"{', '.join(given + (['mini_batches'] if 'mini_batches' in data else []))}: give the "
+                             "optimiser steps one way")
+        prompts = data.get("prompts_per_step", cls.model_fields["prompts_per_step"].default)
+        samples = data.get("samples_per_prompt", cls.model_fields["samples_per_prompt"].default)
+        per = data[given[0]]
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (prompts, samples, per)):
+            return data  # the fields' own checks name what is wrong
+        total = prompts * samples if given[0] == "samples_per_update" else prompts
+        if total % per:
+            raise ValueError(f"{given[0]}: {per} does not divide the batch's {total}")
+        return {**data, "mini_batches": total // per}
 
     @model_validator(mode="after")
     def _consistent(self) -> RLParams:
