@@ -100,3 +100,32 @@ def test_a_keyless_local_server_is_reached_with_api_key_env_none(monkeypatch):
     with FakeOpenAIServer(wrong) as server:
         result = LLMJudge(make_config(server, None, api_key_env=None)).judge("Q", "red", "blue")
         assert result.valid and server.requests[0].headers["authorization"] == "Bearer EMPTY"
+
+
+def test_a_recipes_judge_prompt_and_verdict_form_are_what_the_server_sees_and_reads(monkeypatch, tmp_path):
+    """DeepEyes' judge: its system message, a few-shot user message from a template, temperature 0.3, and the
+    reply read by "Judgement:" (a reply without the form is wrong, not retried); the prompt is in the cache key."""
+    monkeypatch.setenv(KEY_ENV, KEY)
+    replies = iter(["Judgement: 1", "The answer disagrees.\nJudgement: 0", "no verdict here"])
+    with FakeOpenAIServer(lambda request: next(replies), api_key=KEY) as server:
+        template = Path(__file__).resolve().parent.parent / "params" / "templates" / "judge_deepeyes.jinja"
+        config = make_config(server, tmp_path / "cache", system_prompt="You are a helpful assistant.",
+                             prompt_template=str(template), verdict="judgement", temperature=0.3)
+        judge = LLMJudge(config)
+        results = [judge.judge("What colour is the bus?", "B", answer) for answer in ("blue", "red", "green")]
+        assert [r.score for r in results] == [1.0, 0.0, 0.0] and all(r.valid for r in results)
+        body = server.requests[0].body
+        assert body["temperature"] == 0.3 and body["messages"][0]["content"] == "You are a helpful assistant."
+        user = body["messages"][1]["content"]
+        assert user.rstrip().endswith("[Model_answer] : blue\nJudgement:") and "[Standard Answer]: B" in user
+        assert len(server.requests) == 3  # the reply without a verdict was not retried
+        plain = LLMJudge(make_config(server, tmp_path / "cache"))
+        assert plain.cache_key("q", "B", "blue") != judge.cache_key("q", "B", "blue")
+
+
+def test_deepeyes_reads_a_judgement_as_its_reward_does():
+    from loupe.rewards.judge import parse_judgement
+
+    assert parse_judgement("Judgement: 1") == 1.0 and parse_judgement("Judgement: 0") == 0.0
+    assert parse_judgement("I think 1. Judgement: 0") == 0.0  # the text after the last "Judgement:" decides
+    assert parse_judgement("1") == 1.0 and parse_judgement("unsure") == 0.0 and parse_judgement(None) == 0.0

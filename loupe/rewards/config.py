@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import (
@@ -42,7 +43,36 @@ class JudgeConfig(BaseModel):
     max_tokens: int = Field(default=64, ge=1)
     """Reply length budget; the judge only needs to write `Score: 1` or `Score: 0`."""
     temperature: float | None = 0.0
-    """Sampling temperature; None sends none (some reasoning models accept only their default)."""
+    """Sampling temperature; None sends none (some reasoning models accept only their default). DeepEyes: 0.3."""
+    system_prompt: str | None = None
+    """The judge's system message in place of Loupe's (DeepEyes sends "You are a helpful assistant.")."""
+    prompt_template: str | None = None
+    """A Jinja file rendering the judge's user message from `question`, `reference` and `prediction`, in place
+    of Loupe's; read when the config loads. Its text is part of every cache key."""
+    verdict: Literal["score", "judgement"] = "score"
+    """How a reply is read: `score`, a "Score: 1" / "Score: 0" line (a reply without one is retried); or
+    `judgement`, DeepEyes' rule (`vl_agent.py`: the text after the last "Judgement:", or the whole reply, is
+    right when it holds a 1, and wrong otherwise; never retried)."""
+    _template_text: str | None = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _template_is_readable(self) -> JudgeConfig:
+        if self.prompt_template is None:
+            return self
+        path = Path(self.prompt_template)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as err:
+            raise ValueError(f"prompt_template: cannot read {path}: {err.strerror or err}") from None
+        from loupe.protocol import compile_template
+
+        compile_template(text, str(path))
+        self._template_text = text
+        return self
+
+    @property
+    def template_text(self) -> str | None:
+        return self._template_text
 
 
 class RewardConfig(BaseModel):
@@ -60,14 +90,17 @@ class RewardConfig(BaseModel):
     """Subtracted per tool call beyond `free_tool_calls`."""
     free_tool_calls: int = Field(default=0, ge=0)
     """Tool calls that cost nothing before `tool_call_penalty` applies."""
-    free_form_match: Literal["exact", "judge", "math", "mathruler", "r1v", "lmm_r1"] = "exact"
+    free_form_match: Literal["exact", "judge", "math", "mathruler", "r1v", "lmm_r1", "deepeyes"] = "exact"
     """Free-form answers: normalised exact match only; exact match then the LLM judge for the rest; or `math`,
     equal by value through math-verify (`\\frac{1}{2}` = 0.5, `\\boxed{60}` = 60), then exact match
     (`loupe.rewards.math_grading.math_equal`: R1-V's, LMM-R1's and Pixel-Reasoner's verifier); or `mathruler`,
     EasyR1's grader (`loupe.rewards.math_grading.grade_answer`: an integer reference needs an integer answer,
     fractions must be written alike), on the response's last `\\boxed{}` whether it answered or not; or `r1v`,
     R1-V's `accuracy_reward` on the whole final turn (`loupe.rewards.r1v.r1v_accuracy`), choice questions
-    included; or `lmm_r1`, LMM-R1's math verifier server in process (`loupe.rewards.lmm_r1`), likewise."""
+    included; or `lmm_r1`, LMM-R1's math verifier server in process (`loupe.rewards.lmm_r1`), likewise; or
+    `deepeyes`, DeepEyes' `compute_score` on the whole decoded response (`loupe.rewards.deepeyes`): the judge on
+    the last `<answer>`'s text for every task, choice included, its format from tag counts, and its tool bonus
+    for a right answer after at least one crop the tool returned (needs `judge` and `format_rule: deepeyes`)."""
     format_rule: Literal["loupe", "r1v", "easyr1", "deepeyes", "lmm_r1"] = "loupe"
     """What the format part measures (see `format_reward`): `loupe` 1 / 0.5 / 0 for a clean answer / one without
     `<think>` or after format errors / none; `r1v` 1 when the final turn is exactly `<think>…</think>
@@ -89,7 +122,9 @@ class RewardConfig(BaseModel):
 
     @model_validator(mode="after")
     def _judge_configured_when_used(self) -> RewardConfig:
-        if (self.free_form_match == "judge" or self.choice_judge_fallback) and self.judge is None:
+        if self.free_form_match == "deepeyes" and self.format_rule != "deepeyes":
+            raise ValueError("free_form_match: deepeyes scores DeepEyes' format too; set format_rule: deepeyes")
+        if (self.free_form_match in ("judge", "deepeyes") or self.choice_judge_fallback) and self.judge is None:
             raise ValueError(
                 "judge: a judge section is required when free_form_match is 'judge' or choice_judge_fallback is on"
             )
@@ -108,7 +143,7 @@ class RewardConfig(BaseModel):
     @property
     def wants_judge(self) -> bool:
         """Whether any task, of any data source, may be sent to the judge."""
-        own = self.free_form_match == "judge" or self.choice_judge_fallback
+        own = self.free_form_match in ("judge", "deepeyes") or self.choice_judge_fallback
         return own or any(cfg.wants_judge for cfg in self._by_source.values())
 
     def for_source(self, data_source: str | None) -> RewardConfig:

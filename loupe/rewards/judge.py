@@ -57,6 +57,15 @@ def parse_judge_score(reply: str | None) -> float | None:
     return float(found[-1]) if found else None
 
 
+def parse_judgement(reply: str | None) -> float:
+    """DeepEyes' reading of a judge reply (`verl/utils/reward_score/vl_agent.py`, `compute_score`): the text
+    after the last "Judgement:" (or the whole reply) is right when it holds a 1; anything else is wrong."""
+    text = reply or ""
+    if "Judgement:" in text:
+        text = text.rsplit("Judgement:", 1)[1]
+    return 1.0 if "1" in text else 0.0
+
+
 class LLMJudge:
     """Asks an OpenAI-compatible chat model whether a prediction matches a reference; retries; caches on disk.
 
@@ -135,7 +144,9 @@ class LLMJudge:
     # -- cache --
 
     def cache_key(self, question: str, reference: str, prediction: str) -> str:
-        payload = json.dumps([JUDGE_PROMPT_VERSION, self.config.model, question, reference, prediction])
+        prompt = [self.config.system_prompt, self.config.template_text, self.config.verdict]
+        version = JUDGE_PROMPT_VERSION if prompt == [None, None, "score"] else [JUDGE_PROMPT_VERSION, *prompt]
+        payload = json.dumps([version, self.config.model, question, reference, prediction])
         return hashlib.sha256(payload.encode("utf-8")).hexdigest()
 
     def _cache_path(self, key: str) -> Path | None:
@@ -244,12 +255,19 @@ class LLMJudge:
             return list(pool.map(lambda item: self.judge(*item), items))
 
     def _messages(self, item: JudgeItem) -> list[dict[str, str]]:
+        system = self.config.system_prompt if self.config.system_prompt is not None else _JUDGE_SYSTEM
+        if self.config.template_text is not None:
+            from loupe.protocol import compile_template
+
+            user = compile_template(self.config.template_text, self.config.prompt_template).render(
+                question=item.question, reference=item.reference, prediction=item.prediction)
+            return [{"role": "system", "content": system}, {"role": "user", "content": user}]
         user = (
             f"Question:\n{item.question}\n\nReference answer:\n{item.reference}\n\n"
             f"Candidate answer:\n<<<\n{item.prediction}\n>>>\n\n"
             "Is the candidate correct? Reply 'Score: 1' or 'Score: 0'."
         )
-        return [{"role": "system", "content": _JUDGE_SYSTEM}, {"role": "user", "content": user}]
+        return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
     def _ask(self, item: JudgeItem) -> JudgeResult:
         """Up to 1 + max_retries requests; the first valid reply holding a score wins."""
@@ -259,8 +277,10 @@ class LLMJudge:
             with self._lock:
                 self.calls += 1
 
+        judgement = self.config.verdict == "judgement"
+
         def holds_a_score(reply: endpoint.ChatReply) -> None:
-            if parse_judge_score(reply.text) is None:
+            if not judgement and parse_judge_score(reply.text) is None:
                 raise endpoint.EndpointFault(f"reply holds no 'Score: 0/1': {reply.text[:120]!r}")
 
         request: dict[str, Any] = {
@@ -278,4 +298,5 @@ class LLMJudge:
             log.error("judge gave up after %d attempt(s): %s", err.attempts, err.cause)
             return JudgeResult(score=None, valid=False, attempts=err.attempts, error=err.cause)
         text = sent.reply.text
-        return JudgeResult(score=parse_judge_score(text), valid=True, attempts=sent.attempts, reply=text)
+        found = parse_judgement(text) if judgement else parse_judge_score(text)
+        return JudgeResult(score=found, valid=True, attempts=sent.attempts, reply=text)

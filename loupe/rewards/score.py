@@ -7,7 +7,13 @@ from loupe.data.tasks import OPTION_LETTERS, TaskRecord
 from loupe.protocol import IMAGE_PLACEHOLDER, last_boxed
 from loupe.rewards.choice import extract_choice
 from loupe.rewards.config import RewardConfig
-from loupe.rewards.deepeyes import DEEPEYES_MAX_ANSWER_CHARS
+from loupe.rewards.deepeyes import (
+    DEEPEYES_MAX_ANSWER_CHARS,
+    decoded_response,
+    deepeyes_answer_text,
+    deepeyes_crops,
+    deepeyes_format_broken,
+)
 from loupe.rewards.format import format_reward
 from loupe.rewards.judge import JudgeResult, LLMJudge
 from loupe.rewards.lmm_r1 import lmm_r1_accuracy
@@ -43,6 +49,7 @@ def score(
     cfg: RewardConfig,
     judge: LLMJudge | None = None,
     final_text: str | None = None,
+    response: str | None = None,
 ) -> RewardParts:
     """Score one finished trajectory.
 
@@ -56,6 +63,8 @@ def score(
     if end_reason not in END_REASONS:
         raise ValueError(f"unknown end_reason {end_reason!r}; expected one of {', '.join(END_REASONS)}")
     cfg = cfg.for_source(task.data_source)
+    if cfg.free_form_match == "deepeyes":
+        return _deepeyes(task, response if response is not None else (final_text or ""), cfg, judge)
     wants_judge = (cfg.free_form_match == "judge" and not task.is_choice) or (
         cfg.choice_judge_fallback and task.is_choice
     )
@@ -114,6 +123,24 @@ def build_judge(cfg: RewardConfig) -> LLMJudge | None:
     return LLMJudge(cfg.judge)
 
 
+def _deepeyes(task: TaskRecord, response: str, cfg: RewardConfig, judge: LLMJudge | None) -> RewardParts:
+    """DeepEyes' `compute_score` (`verl/utils/reward_score/vl_agent.py`) on the decoded response
+    (`loupe.rewards.deepeyes`): 0.8 x the judge's verdict on the last answer's text, 0.2 x (-1 after a format
+    error, else 0), and the tool bonus for a right answer after a crop, with the weights of `cfg`."""
+    if judge is None:
+        raise ValueError("the reward config asks for an LLM judge but none was given to score()")
+    answer_text = deepeyes_answer_text(response)
+    broken = deepeyes_format_broken(response)
+    verdict = judge.judge(_judge_question_text(task), task.solution, answer_text)
+    fmt = -1.0 if broken else 0.0
+    if not verdict.valid:
+        return RewardParts(None, fmt, 0.0, None, False, f"judge failed: {verdict.error}", answer_text, "judge")
+    accuracy = 0.0 if len(answer_text) >= DEEPEYES_MAX_ANSWER_CHARS else float(verdict.score or 0.0)
+    tool = cfg.tool_bonus if deepeyes_crops(response) > 0 and accuracy > 0.5 else 0.0
+    total = cfg.accuracy_weight * accuracy + cfg.format_weight * fmt + tool
+    return RewardParts(accuracy, fmt, tool, total, True, None, answer_text, "deepeyes")
+
+
 def score_trajectory(trajectory: Trajectory, cfg: RewardConfig, judge: LLMJudge | None = None) -> RewardParts:
     """Score a finished trajectory and record every part on it (`trajectory.rewards`)."""
     assistant = [turn.text for turn in trajectory.turns if turn.role == "assistant"]
@@ -128,6 +155,7 @@ def score_trajectory(trajectory: Trajectory, cfg: RewardConfig, judge: LLMJudge 
         cfg,
         judge,
         final_text=assistant[-1] if assistant else None,
+        response=decoded_response([(turn.role, turn.text) for turn in trajectory.turns[1:]]),
     )
     trajectory.rewards = parts.to_dict()
     return parts
