@@ -90,7 +90,7 @@ class RewardConfig(BaseModel):
     """Subtracted per tool call beyond `free_tool_calls`."""
     free_tool_calls: int = Field(default=0, ge=0)
     """Tool calls that cost nothing before `tool_call_penalty` applies."""
-    free_form_match: Literal["exact", "judge", "math", "mathruler", "r1v", "lmm_r1", "deepeyes"] = "exact"
+    free_form_match: Literal["exact", "judge", "math", "mathruler", "r1v", "lmm_r1", "deepeyes", "mini_o3"] = "exact"
     """Free-form answers: normalised exact match only; exact match then the LLM judge for the rest; or `math`,
     equal by value through math-verify (`\\frac{1}{2}` = 0.5, `\\boxed{60}` = 60), then exact match
     (`loupe.rewards.math_grading.math_equal`: R1-V's, LMM-R1's and Pixel-Reasoner's verifier); or `mathruler`,
@@ -100,7 +100,9 @@ class RewardConfig(BaseModel):
     included; or `lmm_r1`, LMM-R1's math verifier server in process (`loupe.rewards.lmm_r1`), likewise; or
     `deepeyes`, DeepEyes' `compute_score` on the whole decoded response (`loupe.rewards.deepeyes`): the judge on
     the last `<answer>`'s text for every task, choice included, its format from tag counts, and its tool bonus
-    for a right answer after at least one crop the tool returned (needs `judge` and `format_rule: deepeyes`)."""
+    for a right answer after at least one crop the tool returned (needs `judge` and `format_rule: deepeyes`); or
+    `mini_o3`, Mini-o3's: the judge on the first `<answer>` across the assistant turns, for every task, choice
+    included (`loupe.rewards.mini_o3`; needs `judge`)."""
     format_rule: Literal["loupe", "r1v", "easyr1", "deepeyes", "lmm_r1"] = "loupe"
     """What the format part measures (see `format_reward`): `loupe` 1 / 0.5 / 0 for a clean answer / one without
     `<think>` or after format errors / none; `r1v` 1 when the final turn is exactly `<think>…</think>
@@ -124,7 +126,7 @@ class RewardConfig(BaseModel):
     def _judge_configured_when_used(self) -> RewardConfig:
         if self.free_form_match == "deepeyes" and self.format_rule != "deepeyes":
             raise ValueError("free_form_match: deepeyes scores DeepEyes' format too; set format_rule: deepeyes")
-        if (self.free_form_match in ("judge", "deepeyes") or self.choice_judge_fallback) and self.judge is None:
+        if (self.free_form_match in ("judge", "deepeyes", "mini_o3") or self.choice_judge_fallback) and self.judge is None:
             raise ValueError(
                 "judge: a judge section is required when free_form_match is 'judge' or choice_judge_fallback is on"
             )
@@ -143,7 +145,7 @@ class RewardConfig(BaseModel):
     @property
     def wants_judge(self) -> bool:
         """Whether any task, of any data source, may be sent to the judge."""
-        own = self.free_form_match in ("judge", "deepeyes") or self.choice_judge_fallback
+        own = self.free_form_match in ("judge", "deepeyes", "mini_o3") or self.choice_judge_fallback
         return own or any(cfg.wants_judge for cfg in self._by_source.values())
 
     def for_source(self, data_source: str | None) -> RewardConfig:

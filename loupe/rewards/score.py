@@ -18,6 +18,7 @@ from loupe.rewards.format import format_reward
 from loupe.rewards.judge import JudgeResult, LLMJudge
 from loupe.rewards.lmm_r1 import lmm_r1_accuracy
 from loupe.rewards.math_grading import grade_answer, math_equal
+from loupe.rewards.mini_o3 import mini_o3_answer
 from loupe.rewards.parts import RewardParts
 from loupe.rewards.r1v import r1v_accuracy
 from loupe.rewards.text import exact_match
@@ -50,6 +51,7 @@ def score(
     judge: LLMJudge | None = None,
     final_text: str | None = None,
     response: str | None = None,
+    assistant_turns: list[str] | None = None,
 ) -> RewardParts:
     """Score one finished trajectory.
 
@@ -65,6 +67,9 @@ def score(
     cfg = cfg.for_source(task.data_source)
     if cfg.free_form_match == "deepeyes":
         return _deepeyes(task, response if response is not None else (final_text or ""), cfg, judge)
+    if cfg.free_form_match == "mini_o3":
+        turns = assistant_turns if assistant_turns is not None else [final_text or ""]
+        return _mini_o3(task, turns, end_reason, has_think, num_format_errors, num_tool_calls, cfg, judge, final_text)
     wants_judge = (cfg.free_form_match == "judge" and not task.is_choice) or (
         cfg.choice_judge_fallback and task.is_choice
     )
@@ -141,6 +146,25 @@ def _deepeyes(task: TaskRecord, response: str, cfg: RewardConfig, judge: LLMJudg
     return RewardParts(accuracy, fmt, tool, total, True, None, answer_text, "deepeyes")
 
 
+def _mini_o3(task: TaskRecord, turns: list[str], end_reason: str, has_think: bool, num_format_errors: int,
+             num_tool_calls: int, cfg: RewardConfig, judge: LLMJudge | None, final_text: str | None) -> RewardParts:
+    """Mini-o3's accuracy (`loupe.rewards.mini_o3`), with the format and tool parts of `cfg` (Mini-o3's own
+    weights are 1, 0, 0)."""
+    if judge is None:
+        raise ValueError("the reward config asks for an LLM judge but none was given to score()")
+    answer = mini_o3_answer(turns)
+    fmt = format_reward(end_reason, has_think, num_format_errors, cfg.format_rule, final_text, answer)
+    accuracy = 0.0
+    if answer is not None:
+        verdict = judge.judge(_judge_question_text(task), task.solution, answer)
+        if not verdict.valid:
+            return RewardParts(None, fmt, 0.0, None, False, f"judge failed: {verdict.error}", answer, "judge")
+        accuracy = float(verdict.score or 0.0)
+    tool = tool_reward(accuracy == 1.0, num_tool_calls, cfg)
+    total = cfg.accuracy_weight * accuracy + cfg.format_weight * fmt + tool
+    return RewardParts(accuracy, fmt, tool, total, True, None, answer, "mini_o3")
+
+
 def score_trajectory(trajectory: Trajectory, cfg: RewardConfig, judge: LLMJudge | None = None) -> RewardParts:
     """Score a finished trajectory and record every part on it (`trajectory.rewards`)."""
     assistant = [turn.text for turn in trajectory.turns if turn.role == "assistant"]
@@ -156,6 +180,7 @@ def score_trajectory(trajectory: Trajectory, cfg: RewardConfig, judge: LLMJudge 
         judge,
         final_text=assistant[-1] if assistant else None,
         response=decoded_response([(turn.role, turn.text) for turn in trajectory.turns[1:]]),
+        assistant_turns=assistant,
     )
     trajectory.rewards = parts.to_dict()
     return parts
