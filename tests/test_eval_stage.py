@@ -160,7 +160,7 @@ def test_unknown_eval_key_names_its_path(workspace, tiny_model_dir, capsys):
 
 def test_an_override_on_the_stage_command_is_what_runs_and_what_mlflow_records(workspace, tiny_model_dir, monkeypatch):
     monkeypatch.setenv("LOUPE_TRACKING", "on")
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{workspace / 'mlflow.db'}")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{workspace / 'mlflow-overrides.db'}")
     monkeypatch.delenv("LOUPE_PARAMS_OVERRIDES", raising=False)
     assert eval_main(["--params", str(workspace / "params.yaml"), "--model", str(tiny_model_dir), "--out",
                       str(workspace / "overridden"), "--no-progress", "eval.samples=1"]) == 0
