@@ -187,6 +187,9 @@ class RolloutParams(Section):
     temperature: float = Field(1.0, ge=0)
     """Sampling temperature; 0 is greedy."""
     top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    """Sample among the k likeliest tokens only; 0 is off (R1-V's trl trainer samples with transformers'
+    default top_k 50). Log-probs stay those of the untruncated distribution, which the learner recomputes."""
     """Nucleus sampling mass."""
     max_new_tokens: int = Field(256, ge=1)
     """New tokens one assistant turn may generate; a turn that reaches it ends the trajectory as `length`."""

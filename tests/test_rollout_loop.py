@@ -226,3 +226,18 @@ def test_turn_templates_are_checked_when_the_params_load():
     with pytest.raises(ValueError, match="error_template"):
         params(error_template="Error: {reason}")
     assert params(error_template="{{literal}} {error}").error_template  # doubled braces are text
+
+
+def test_top_k_samples_among_the_k_likeliest_tokens_and_keeps_the_untruncated_log_prob():
+    import torch
+
+    from loupe.rollout.kv_batch import sample
+
+    logits = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0]]).repeat(400, 1)
+    generator = torch.Generator().manual_seed(0)
+    tokens, logprobs = sample(logits, 1.0, 1.0, [], generator, top_k=2)
+    assert set(tokens.tolist()) == {0, 1}  # both kept tokens drawn, no other
+    full = logits[0].log_softmax(-1)
+    assert torch.allclose(logprobs, full[tokens])
+    unlimited, _ = sample(logits, 1.0, 1.0, [], torch.Generator().manual_seed(0))
+    assert set(unlimited.tolist()) > {0, 1}

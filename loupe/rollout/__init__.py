@@ -27,7 +27,9 @@ def make_engine(
     if rollout.engine == "openai":
         from loupe.rollout.openai_engine import OpenAIEngine
 
-        return OpenAIEngine(rollout.openai, stop, rollout.temperature, rollout.top_p, seed)
+        engine = OpenAIEngine(rollout.openai, stop, rollout.temperature, rollout.top_p, seed)
+        engine.top_k = rollout.top_k
+        return engine
     if model_path is None and (model is None or processor is None):
         raise ValueError(f"the {rollout.engine} engine needs a model directory")
     from loupe.models import load_processor
@@ -36,7 +38,7 @@ def make_engine(
     if rollout.engine == "vllm":
         from loupe.rollout.vllm_engine import VLLMEngine
 
-        return VLLMEngine(
+        engine = VLLMEngine(
             str(model_path),
             processor,
             stop,
@@ -49,8 +51,12 @@ def make_engine(
             dtype=rollout.vllm_dtype,
             enable_sleep_mode=sleep_mode,
         )
+        engine.top_k = rollout.top_k
+        return engine
     from loupe.models import load_model
     from loupe.rollout.hf import TransformersEngine
 
     model = model if model is not None else load_model(model_path, device=rollout.device)
-    return TransformersEngine(model, processor, stop, rollout.temperature, rollout.top_p, rollout.batch_size, seed)
+    engine = TransformersEngine(model, processor, stop, rollout.temperature, rollout.top_p, rollout.batch_size, seed)
+    engine.top_k = rollout.top_k
+    return engine

@@ -102,6 +102,8 @@ class TokenContextEngine(Engine):
         self.stop = tuple(stop)
         self.temperature = temperature
         self.top_p = top_p
+        self.top_k = 0
+        """Top-k sampling (RolloutParams.top_k); set after construction by `make_engine`."""
         self.batch_size = batch_size
         self.markup = learn_turn_markup(processor)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
@@ -452,7 +454,7 @@ class TransformersEngine(TokenContextEngine):
         self._take_sample(batch, output.logits[:, -1])
 
     def _take_sample(self, batch: Batch, logits: torch.Tensor) -> None:
-        tokens, logprobs = sample(logits, self.temperature, self.top_p, self.suppressed, self.generator)
+        tokens, logprobs = sample(logits, self.temperature, self.top_p, self.suppressed, self.generator, self.top_k)
         for row, token, logprob in zip(batch.rows, tokens.tolist(), logprobs.tolist()):
             if row.finish:  # a static batch's ended row, fed padding until the batch ends
                 continue

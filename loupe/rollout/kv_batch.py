@@ -239,12 +239,13 @@ class Positions:
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float, suppressed: list[int],
-           generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+           generator: torch.Generator, top_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Next tokens of (rows, vocab) logits and their log-probs.
 
     The log-prob is the sampled token's under the temperature-scaled distribution of the raw logits (what the
     learner recomputes); the draw itself never picks a suppressed token and, with `top_p` < 1, keeps to the
-    nucleus (transformers' `TopPLogitsWarper`: drop the least likely tokens whose mass is at most 1 - top_p).
+    nucleus (transformers' `TopPLogitsWarper`: drop the least likely tokens whose mass is at most 1 - top_p) and,
+    with `top_k` > 0, to the k likeliest tokens (`TopKLogitsWarper`, applied first, as transformers orders them).
     Temperature 0 is greedy.
     """
     scale = temperature if temperature > 0 else 1.0
@@ -255,6 +256,9 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, suppressed: l
     if temperature <= 0:
         tokens = scores.argmax(-1)
     else:
+        if 0 < top_k < scores.shape[-1]:
+            kth = scores.topk(top_k, dim=-1).values[:, -1:]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
         if top_p < 1.0:
             ordered, order = scores.sort(-1)
             drop = ordered.softmax(-1).cumsum(-1) <= 1 - top_p

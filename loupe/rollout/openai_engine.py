@@ -141,6 +141,8 @@ class OpenAIEngine(Engine):
         self.stop = tuple(stop)
         self.temperature = temperature
         self.top_p = top_p
+        self.top_k = 0
+        """Top-k sampling, sent as `top_k` when set (RolloutParams.top_k)."""
         self.seed = seed
         self.batch_size = endpoint.concurrency
         self.usage = UsageCounter()
@@ -222,6 +224,8 @@ class OpenAIEngine(Engine):
             request["stop"] = list(self.stop)
         if self.seed is not None:
             request["seed"] = self.seed
+        if self.top_k:  # not OpenAI's parameter; vLLM's server and most open servers read it from the body
+            request["extra_body"] = {"top_k": self.top_k}
         digest = hashlib.sha256(
             json.dumps([self.endpoint.base_url, request], sort_keys=True, ensure_ascii=False).encode("utf-8")
         ).hexdigest()

@@ -94,6 +94,7 @@ class VLLMEngine(TokenContextEngine):
         return SamplingParams(
             temperature=self.temperature,
             top_p=self.top_p,
+            top_k=self.top_k,
             max_tokens=max_new_tokens,
             stop=list(self.stop) or None,
             stop_token_ids=self.end_ids,
