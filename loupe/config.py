@@ -79,6 +79,11 @@ class ProtocolParams(Section):
     """The malformed-turn policy: error turns given back after malformed turns (or refused tool calls) before
     the trajectory ends as format_error. 0 ends at the first; a number at least `max_turns` answers every one
     and lets the dialogue go on to its turn limit (DeepEyes and Mini-o3 do so)."""
+    turn_without_call: Literal["error_turn", "ends"] = "error_turn"
+    """The other half of the malformed-turn policy: a malformed turn that holds no tool call (no answer, an
+    unclosed or doubled answer, prose) gets an error turn like a broken call (`error_turn`), or ends the
+    trajectory there as format_error, to be scored as it stands (`ends`: DeepEyes, Mini-o3 and Pixel-Reasoner
+    treat any turn without a call as the last one)."""
     observation_template: str | None = None
     """The user turn that returns a crop, in place of the protocol's: `{image}` marks where the crop goes (once)
     and `{index}` is its number (DeepEyes: "<tool_response>{image}" + its USER_PROMPT_V2 + "</tool_response>")."""

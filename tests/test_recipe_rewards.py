@@ -88,3 +88,87 @@ def test_each_preset_has_at_least_15_cases_each_citing_upstream():
         cases = _cases(preset)
         assert len(cases) >= 15 and len({c["id"] for c in cases}) == len(cases)
         assert all(c["cite"] and c["why"] for c in cases)
+
+
+# --- multi-turn presets: the case's assistant turns replayed through Loupe's rollout loop ----------------------
+
+
+class _Verdicts:
+    """A judge that gives each case's recorded verdict (the reply upstream's judge was taken to give), read the
+    preset's way, and keeps what it was asked; a case with no reply stands for a judge that failed."""
+
+    def __init__(self, reply: str | None, verdict: str):
+        self.reply, self.verdict, self.asked = reply, verdict, []
+
+    def judge(self, question, reference, prediction):
+        from loupe.rewards.judge import JudgeResult, parse_judge_score, parse_judgement
+
+        self.asked.append(prediction)
+        score = parse_judgement(self.reply) if self.verdict == "judgement" else parse_judge_score(self.reply)
+        if self.reply is None or score is None:  # Loupe's judge retries such a reply, then gives up: invalid
+            return JudgeResult(score=None, valid=False, error="no verdict in the reply")
+        return JudgeResult(score=score, valid=True, reply=self.reply)
+
+
+def _replayed(preset: str, case: dict, tmp_path: Path):
+    """The trajectory Loupe's loop makes of the case's assistant turns, with the preset's protocol settings."""
+    from PIL import Image
+    from test_rollout_loop import ScriptedEngine
+
+    from loupe.config import ProtocolParams
+    from loupe.rollout.loop import run_rollouts
+
+    size = (1920, 1080) if preset == "deepeyes" else (1000, 800)  # the cases' originals
+    Image.new("RGB", size, (90, 120, 150)).save(tmp_path / "scene.png")
+    params = read_recipe(REPO, REPO / "params" / f"{preset}.yaml")
+    protocol = ProtocolParams.model_validate({**params["protocol"], "min_pixels": 3136, "max_pixels": 200704})
+    texts = [turn["text"].removesuffix("<|im_end|>") for turn in case["turns"]]
+    finish = "length" if "length" in str(case["turns"][-1].get("tool_call")) else None
+    engine = ScriptedEngine([texts], finish=finish)
+    task = TaskRecord(doc_id=case["id"], images=["scene.png"], problem=case.get("question", "q"),
+                      solution=str(case["ground_truth"]), data_source=case.get("data_source") or "unknown")
+    [trajectory] = run_rollouts([task], engine, protocol, tmp_path, max_turns=protocol.max_turns)
+    return trajectory
+
+
+DEEPEYES_KNOWN = {
+    # DeepEyes' tool clamps a negative coordinate to 0 and crops; Loupe's parser refuses a box reaching below
+    # -0.5 px as out of range (an error turn, no crop, so no tool bonus).
+    "DE08": "Loupe refuses a negative coordinate that DeepEyes clamps",
+    "DE22": "ThinkLite rows use DeepEyes' math scorer (an LLM check beside math-verify), which Loupe does not have",
+    "DE23": "geoguessr rows use DeepEyes' common-reasoning scorer, which Loupe does not have",
+}
+"""DeepEyes cases whose trajectory Loupe's rollout makes differently (the protocol), and why; their totals are
+asserted to differ, so a change that mends one shows here."""
+
+
+MINI_O3_KNOWN = {
+}
+"""Mini-o3 cases whose trajectory Loupe's rollout makes differently, and why (asserted to differ)."""
+
+KNOWN = {"deepeyes": DEEPEYES_KNOWN, "mini-o3": MINI_O3_KNOWN}
+
+
+@pytest.mark.parametrize(("preset", "case"), [(p, c) for p in KNOWN for c in _cases(p)],
+                         ids=lambda v: v if isinstance(v, str) else v["id"])
+def test_multi_turn_presets_pay_what_upstream_pays_on_the_replayed_dialogue(preset, case, tmp_path):
+    from loupe.rewards import score_trajectory
+
+    trajectory = _replayed(preset, case, tmp_path)
+    _, cfg = _settings(preset)
+    judge = _Verdicts(case.get("judge_says"), cfg.judge.verdict if cfg.judge else "score")
+    parts = score_trajectory(trajectory, cfg, judge)
+    expected = case["expected"]
+    if case["id"] in KNOWN[preset]:
+        assert parts.total != pytest.approx(expected.get("total")), KNOWN[preset][case["id"]]
+        return
+    if expected["total"] is None:  # upstream drops the sample (and, in Mini-o3, its whole group): no reward
+        assert parts.total is None and not parts.valid
+        return
+    assert parts.total == pytest.approx(expected["total"]), f"{case['id']}: {case['why']} ({case['cite']})"
+    if preset == "deepeyes":  # Mini-o3 weighs its format 0: only the total is upstream's
+        assert parts.format == pytest.approx(expected["format_reward"])
+    question = expected.get("judge_asked")
+    asked = (question.get("answer_text") or question.get("prediction")) if isinstance(question, dict) else None
+    if asked is not None:
+        assert judge.asked == [asked]

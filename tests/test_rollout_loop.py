@@ -241,3 +241,17 @@ def test_top_k_samples_among_the_k_likeliest_tokens_and_keeps_the_untruncated_lo
     assert torch.allclose(logprobs, full[tokens])
     unlimited, _ = sample(logits, 1.0, 1.0, [], torch.Generator().manual_seed(0))
     assert set(unlimited.tolist()) > {0, 1}
+
+
+def test_a_turn_without_a_call_can_end_the_dialogue_while_broken_calls_get_error_turns(task_dir):
+    """`turn_without_call: ends` (DeepEyes, Mini-o3, Pixel-Reasoner): prose ends the trajectory at once, to be
+    scored as it stands; a broken call still gets its error turn and the dialogue goes on."""
+    bad = '<think>x</think><grounding>{"bbox_2d": [0.5, 0.5, 0.2, 0.9], "source": "original_image"}</grounding>'
+    engine = ScriptedEngine([[bad, "It is red, I think.", ANSWER_B]])
+    [t] = run_rollouts([make_task()], engine, params(format_error_retries=6, turn_without_call="ends"), task_dir)
+    assert t.end_reason == "format_error" and t.num_format_errors == 2
+    assert [turn.role for turn in t.turns] == ["user", "assistant", "user", "assistant"]
+    assert t.turns[-1].text == "It is red, I think." and t.turns[-1].error.startswith("no_action")
+    [default] = run_rollouts([make_task()], ScriptedEngine([[bad, "It is red, I think.", ANSWER_B]]),
+                             params(format_error_retries=6), task_dir)
+    assert default.end_reason == "answered"  # the default answers the prose with an error turn too

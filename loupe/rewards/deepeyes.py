@@ -22,18 +22,18 @@ IMAGE_TOKENS = "<|vision_start|><|image_pad|><|vision_end|>"
 """An image as it reads in a decoded Qwen2.5-VL response with special tokens kept (one pad stands for many)."""
 
 
-def decoded_response(turns: list[tuple[str, str]]) -> str:
+def decoded_response(turns: list[tuple[str, str, bool]]) -> str:
     """The response DeepEyes' reward reads, rebuilt from the dialogue after the question: its reward manager
     decodes the response tokens with special tokens kept (`verl/workers/reward_manager/naive.py`), so each
     assistant turn ends in `<|im_end|>` and each turn given back (a crop inside the tool-response template, or
-    an error) sits in its own ChatML user block with its images as vision tokens. `turns` are (role, text)
-    pairs; `<image>` in a user turn is an image."""
+    an error) sits in its own ChatML user block with its images as vision tokens. `turns` are (role, text,
+    finished) triples: a turn cut at the token budget has no `<|im_end|>`; `<image>` in a user turn is an image."""
     from loupe.protocol import IMAGE_PLACEHOLDER
 
     parts = []
-    for role, text in turns:
+    for role, text, finished in turns:
         if role == "assistant":
-            parts.append(text + "<|im_end|>")
+            parts.append(text + ("<|im_end|>" if finished else ""))
         else:
             body = text.replace(IMAGE_PLACEHOLDER, IMAGE_TOKENS)
             parts.append(f"\n<|im_start|>user\n{body}<|im_end|>\n<|im_start|>assistant\n")

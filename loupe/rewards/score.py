@@ -179,7 +179,8 @@ def score_trajectory(trajectory: Trajectory, cfg: RewardConfig, judge: LLMJudge 
         cfg,
         judge,
         final_text=assistant[-1] if assistant else None,
-        response=decoded_response([(turn.role, turn.text) for turn in trajectory.turns[1:]]),
+        response=decoded_response([(turn.role, turn.text, not (turn.error or "").startswith("length"))
+                                   for turn in trajectory.turns[1:]]),
         assistant_turns=assistant,
     )
     trajectory.rewards = parts.to_dict()

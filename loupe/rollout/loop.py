@@ -214,6 +214,9 @@ def _take_turn(
         turn.error = f"{error_kind}: {detail}"
 
     trajectory.num_format_errors += 1
+    if (action.call is None and protocol_params.turn_without_call == "ends"
+            and not (protocol.call_open and protocol.call_open in generation.text)):
+        return "format_error"  # the recipe's policy: a turn that calls nothing is the last, scored as it stands
     if item.errors_left <= 0 or trajectory.num_turns >= turn_limit:
         return "format_error"
     item.errors_left -= 1
