@@ -135,15 +135,9 @@ class ProtocolParams(Section):
     def _template_is_readable(self) -> "ProtocolParams":
         if self.prompt_template is None:
             return self
-        path = Path(self.prompt_template)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except OSError as err:
-            raise ValueError(f"prompt_template: cannot read {path}: {err.strerror or err}") from None
-        from loupe.protocol import compile_template
+        from loupe.protocol import read_template
 
-        compile_template(text, str(path))  # a syntax error is named now, not at the first rollout
-        self._template_text = text
+        self._template_text = read_template(self.prompt_template, "prompt_template")
         return self
 
     @property

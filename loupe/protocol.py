@@ -28,6 +28,7 @@ import math
 import re
 from dataclasses import dataclass
 from enum import Enum
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from loupe.data.tasks import IMAGE_PLACEHOLDER, OPTION_LETTERS, TaskRecord  # noqa: F401 (IMAGE_PLACEHOLDER re-exported)
@@ -615,6 +616,18 @@ def compile_template(text: str, where: str = "prompt template") -> Any:
         return jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=False).from_string(text)
     except jinja2.TemplateSyntaxError as err:
         raise ValueError(f"{where}:{err.lineno}: {err.message}") from None
+
+
+def read_template(path_text: str, field: str) -> str:
+    """The text of the Jinja file a params field names, checked to compile: a missing file or a syntax error is
+    named when the params load, not at the first use (the protocol's prompt, the judge's prompt)."""
+    path = Path(path_text)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as err:
+        raise ValueError(f"{field}: cannot read {path}: {err.strerror or err}") from None
+    compile_template(text, str(path))
+    return text
 
 
 def make_protocol(params: Any) -> Protocol:
