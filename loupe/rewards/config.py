@@ -141,6 +141,11 @@ class RewardConfig(BaseModel):
         own = self.free_form_match in ("judge", "deepeyes", "mini_o3") or self.choice_judge_fallback
         return own or any(cfg.wants_judge for cfg in self._by_source.values())
 
+    @property
+    def reads_response(self) -> bool:
+        """Whether any task is scored on the whole decoded response (DeepEyes' rule), which then must be built."""
+        return self.free_form_match == "deepeyes" or any(c.reads_response for c in self._by_source.values())
+
     def for_source(self, data_source: str | None) -> RewardConfig:
         """The settings that score a task of `data_source`: its `by_data_source` entry, or these."""
         return self._by_source.get(data_source or "", self)

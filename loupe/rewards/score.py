@@ -180,7 +180,7 @@ def score_trajectory(trajectory: Trajectory, cfg: RewardConfig, judge: LLMJudge 
         judge,
         final_text=assistant[-1] if assistant else None,
         response=decoded_response([(turn.role, turn.text, not (turn.error or "").startswith("length"))
-                                   for turn in trajectory.turns[1:]]),
+                                   for turn in trajectory.turns[1:]]) if cfg.reads_response else None,
         assistant_turns=assistant,
     )
     trajectory.rewards = parts.to_dict()
