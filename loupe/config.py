@@ -64,7 +64,8 @@ class ProtocolParams(Section):
 
     name: str = "mini_o3"
     """Protocol variant (loupe.protocol.PROTOCOLS): mini_o3 (Mini-o3's grammar and its own prompt strings), loupe
-    (the same grammar in Loupe's wording), deepeyes or single_turn."""
+    (the same grammar in Loupe's wording), deepeyes, pixel_reasoner (its `<tool_call>` JSON and `\\boxed{}`
+    answers), single_turn or boxed."""
     min_pixels: int = Field(3136, gt=0)
     """Smallest area (px) of an image shown to the model; crops are scaled up to it. Mini-o3: 40,000."""
     max_pixels: int = Field(50176, gt=0)
@@ -85,16 +86,31 @@ class ProtocolParams(Section):
     trajectory there as format_error, to be scored as it stands (`ends`: DeepEyes, Mini-o3 and Pixel-Reasoner
     treat any turn without a call as the last one)."""
     observation_template: str | None = None
-    """The user turn that returns a crop, in place of the protocol's: `{image}` marks where the crop goes (once)
-    and `{index}` is its number (DeepEyes: "<tool_response>{image}" + its USER_PROMPT_V2 + "</tool_response>")."""
+    """The user turn that returns a crop, in place of the protocol's: `{image}` marks where the crop goes (once),
+    `{index}` is its number and `{width}`, `{height}` its size as shown (DeepEyes: "<tool_response>{image}" + its USER_PROMPT_V2 + "</tool_response>")."""
     error_template: str | None = None
     """The user turn after a malformed turn, in place of the protocol's: `{error}` is why (DeepEyes: "Error: {error}")."""
     tool_extra_arguments: list[str] = Field(default_factory=list)
     """Tool-call argument names accepted and ignored besides the tool's own (DeepEyes' schema and example
     call carry an optional `label`, which its tool does not read)."""
     min_crop_side: int = Field(1, ge=1)
-    """A crop whose shorter side, in pixels of the original, is below this is refused with an error turn
-    (DeepEyes: 31, since its tool needs both sides above 30 px)."""
+    """A crop whose shorter side, in pixels of the image it is cut from (the original; with `crop_cut: shown`
+    the image shown), is below this is refused with an error turn (DeepEyes: 31, since its tool needs both
+    sides above 30 px; Pixel-Reasoner: 29, above 28 px)."""
+    crop_min_pixels: int | None = Field(None, gt=0)
+    """Smallest area (px) of a crop shown to the model; None: `min_pixels` (Pixel-Reasoner: 3,136)."""
+    crop_max_pixels: int | None = Field(None, gt=0)
+    """Largest area (px) of a crop shown to the model; None: `max_pixels` (Pixel-Reasoner: 784,000, half its
+    question image's 1,568,000)."""
+    crop_padding: float = Field(0.0, ge=0.0, lt=1.0)
+    """Widens every box on each side by this fraction of its source before the cut, then clamps it
+    (Pixel-Reasoner: 0.1)."""
+    crop_cut: Literal["composed", "whole_pixels", "shown"] = "composed"
+    """Whose pixels a crop is cut from (`loupe.tools.crop`): `composed` (Loupe: boxes composed in floats onto
+    the full-resolution original, rounded outwards once), `whole_pixels` (Mini-o3: each observation kept at
+    full resolution as cut, each box truncated to whole pixels with its far edge trimmed, level after level) or
+    `shown` (Pixel-Reasoner: cut from the image as the model was shown it, the original resized into the budget
+    and each crop as shown)."""
     max_decode_pixels: int = Field(400_000_000, gt=0)
     """Source images larger than this are refused before decoding (decompression-bomb guard)."""
     prompt_template: str | None = None
@@ -117,7 +133,7 @@ class ProtocolParams(Section):
 
     @model_validator(mode="after")
     def _turn_templates_fit(self) -> "ProtocolParams":
-        for name, fields in (("observation_template", {"image": "<image>", "index": 1}),
+        for name, fields in (("observation_template", {"image": "<image>", "index": 1, "width": 1, "height": 1}),
                              ("error_template", {"error": "x"})):
             text = getattr(self, name)
             if text is None:
@@ -147,7 +163,8 @@ class ProtocolParams(Section):
 
     @property
     def budget(self) -> PixelBudget:
-        return PixelBudget(self.min_pixels, self.max_pixels, self.min_crop_side)
+        return PixelBudget(self.min_pixels, self.max_pixels, self.min_crop_side, self.crop_min_pixels,
+                           self.crop_max_pixels, self.crop_padding, self.crop_cut)
 
 
 class OpenAIEndpointParams(Section):

@@ -38,21 +38,49 @@ IMAGE_FACTOR = 28
 """Qwen2.5-VL's patch (14) times its spatial merge (2): image sides are multiples of this."""
 
 
+CROP_CUTS = ("composed", "whole_pixels", "shown")
+"""How a crop's pixels are cut (`PixelBudget.crop_cut`); the `crop` docstring says what each does."""
+
+
 @dataclass(frozen=True)
 class PixelBudget:
-    """How many pixels an image given to the model may have (Mini-o3: 40,000 to 2,000,000)."""
+    """How many pixels an image given to the model may have (Mini-o3: 40,000 to 2,000,000), and how crops are cut."""
 
     min_pixels: int = 40_000
     max_pixels: int = 2_000_000
     min_crop_side: int = 1
-    """A crop whose shorter side, in pixels of the original, is below this is refused (DeepEyes: 31, its tool
-    needs both sides above 30 px)."""
+    """A crop whose shorter side, in pixels of the image it is cut from (the original, except with
+    `crop_cut: shown`), is below this is refused (DeepEyes: 31, its tool needs both sides above 30 px;
+    Pixel-Reasoner: 29, its tool asserts both sides above 28 px)."""
+    crop_min_pixels: int | None = None
+    """Smallest area of a crop shown to the model; None: `min_pixels` (Pixel-Reasoner: 3,136)."""
+    crop_max_pixels: int | None = None
+    """Largest area of a crop shown to the model; None: `max_pixels` (Pixel-Reasoner: 784,000 for crops against
+    1,568,000 for the question's image)."""
+    crop_padding: float = 0.0
+    """Added to each side of a box before it is cut, as a fraction of the source's side, then clamped to the
+    source (Pixel-Reasoner's `crop_image_normalized`: 0.1)."""
+    crop_cut: str = "composed"
+    """Whose pixels a crop is cut from and how it is rounded: `composed`, `whole_pixels` or `shown` (`crop`)."""
 
     def __post_init__(self) -> None:
         if not 0 < self.min_pixels <= self.max_pixels:
             raise ValueError(f"pixel budget needs 0 < min_pixels <= max_pixels, got {self.min_pixels}, {self.max_pixels}")
         if self.max_pixels < IMAGE_FACTOR * IMAGE_FACTOR:
             raise ValueError(f"max_pixels must be at least {IMAGE_FACTOR * IMAGE_FACTOR}")
+        if self.crop_min_pixels is not None or self.crop_max_pixels is not None:
+            self.for_crops()  # the crops' pair must be valid too
+        if not (0.0 <= self.crop_padding < 1.0 and math.isfinite(self.crop_padding)):
+            raise ValueError(f"crop_padding must be in [0, 1), got {self.crop_padding}")
+        if self.crop_cut not in CROP_CUTS:
+            raise ValueError(f"crop_cut must be one of {', '.join(CROP_CUTS)}, got {self.crop_cut!r}")
+
+    def for_crops(self) -> "PixelBudget":
+        """The budget a crop is resized into: this one, with the crops' own area limits where set."""
+        if self.crop_min_pixels is None and self.crop_max_pixels is None:
+            return self
+        return PixelBudget(self.crop_min_pixels or self.min_pixels, self.crop_max_pixels or self.max_pixels,
+                           self.min_crop_side)
 
 
 def smart_resize(height: int, width: int, budget: PixelBudget, factor: int = IMAGE_FACTOR) -> tuple[int, int]:
@@ -126,6 +154,8 @@ class ImageSession:
     """Per observation, the box of the original it shows, in the original's pixels (`CropResult.region`)."""
     image_root: Path | None = None
     max_decode_pixels: int = DEFAULT_MAX_DECODE_PIXELS
+    shown_original: Image.Image | None = None
+    """The original as the model was shown it (resized into the budget); `crop_cut: shown` cuts from it."""
 
     def get(self, source: str) -> Image.Image | None:
         """The named image, or None if no such source exists yet."""
@@ -133,6 +163,21 @@ class ImageSession:
         if number == 0:
             return self._original()
         return self.observations[number - 1] if number is not None else None
+
+    def shown(self, source: str, budget: PixelBudget) -> Image.Image | None:
+        """The named image as the model saw it: an observation as it was shown, the original resized into
+        `budget` (kept once made); None for an unknown source."""
+        number = self._number(source)
+        if number != 0:
+            return self.get(source)
+        if self.shown_original is None:
+            original = self._original()
+            if original is None:
+                return None
+            height, width = smart_resize(original.height, original.width, budget)
+            self.shown_original = (original if original.size == (width, height)
+                                   else original.resize((width, height), Image.Resampling.BICUBIC))
+        return self.shown_original
 
     def region(self, source: str) -> tuple[float, float, float, float] | None:
         """The box of the original that the named source shows, in its pixels; None for an unknown source."""
@@ -178,64 +223,116 @@ def _as_box(value: Any) -> tuple[float, float, float, float] | None:
 
 
 def crop(session: ImageSession, arguments: dict[str, Any], budget: PixelBudget) -> CropResult | ToolError:
-    """Crop `bbox_2d` of `source` out of the original's full-resolution pixels and resize it into `budget`.
+    """Crop `bbox_2d` of `source` and resize it into the crops' budget (`budget.for_crops()`).
 
-    `frame` says how the box is given: 'relative' (each coordinate in [0, 1] of the source's sides) or
-    'absolute' (pixels of the source). The box is clamped to the source; a box spanning less than one pixel of
-    the source in either direction is refused (a model pointing at nothing learns nothing from a 1 px crop).
-    On an observation, the box is mapped through the region of the original that observation shows, then
-    rounded outwards to whole pixels of the original.
+    `frame` says how the box is given: 'relative' (each coordinate a fraction of the source's sides) or
+    'absolute' (pixels of the source). `budget.crop_padding` widens the box on every side by that fraction of
+    the source; the box is then clamped to the source. `budget.crop_cut` says whose pixels are cut:
+
+    - `composed` (Loupe): the box is composed, in floats, with the region of the original the source shows
+      and rounded outwards once on the original's full-resolution pixels; a box under one pixel of the source
+      is refused. Each zoom can show more detail than the last.
+    - `whole_pixels` (Mini-o3: `prepare_grounding_inputs_multi_turn` and `crop_image(..., resize=1)` in
+      verl/workers/rollout/vllm_rollout/function_tools.py): every source is kept at full resolution as it was
+      cut; the box on it is truncated to whole pixels (`int()`), its far edge kept inside the last row and
+      column, and a box less than one pixel wide or high is refused. Nested zooms lose a pixel at each level,
+      as Mini-o3's do.
+    - `shown` (Pixel-Reasoner: `crop_image_normalized` and `execute_tool` in
+      curiosity_driven_rl/openrlhf/trainer/ppo_utils/experience_maker.py): the box is cut, rounded to whole
+      pixels as PIL's `Image.crop` rounds, from the image as the model was shown it (the original resized into
+      the budget, an observation as it was shown), so a crop holds no detail its source did not show.
+
+    Then the cut's shorter side must reach `budget.min_crop_side`, and its aspect ratio stay within
+    `MAX_ASPECT_RATIO`.
     """
     box = _as_box(arguments.get("bbox_2d"))
     if box is None:
         return ToolError(ToolErrorKind.BAD_ARGUMENTS, "'bbox_2d' must be four finite numbers")
     source = arguments.get("source", ORIGINAL_IMAGE)
+    source = ORIGINAL_IMAGE if source == "observation_0" else source
     image = session.get(source) if isinstance(source, str) else None
     if image is None:
         return ToolError(ToolErrorKind.UNKNOWN_SOURCE, f"there is no image named {str(source)[:40]!r}")
     frame = arguments.get("frame", "relative")
     if frame not in ("relative", "absolute"):
         return ToolError(ToolErrorKind.BAD_ARGUMENTS, f"'frame' must be 'relative' or 'absolute', got {str(frame)[:20]!r}")
-    width, height = image.size
+    # The source's region of the original (rx0, ry0, rx1, ry1), and the image the box is read on.
+    rx0, ry0, rx1, ry1 = session.region(source)  # type: ignore[misc]
+    if budget.crop_cut == "whole_pixels":
+        width, height = max(1, round(rx1 - rx0)), max(1, round(ry1 - ry0))  # the full-resolution cut it was
+    elif budget.crop_cut == "shown":
+        image = session.shown(source, budget)  # type: ignore[assignment]
+        width, height = image.size  # type: ignore[union-attr]
+    else:
+        width, height = image.size
     x0, y0, x1, y1 = box
     if frame == "relative":
         x0, x1, y0, y1 = x0 * width, x1 * width, y0 * height, y1 * height
+    pad_x, pad_y = budget.crop_padding * width, budget.crop_padding * height
+    x0, x1, y0, y1 = x0 - pad_x, x1 + pad_x, y0 - pad_y, y1 + pad_y
     # Clamp before anything else: a huge relative coordinate times the side overflows to infinity.
     x0, x1 = (min(max(v, 0.0), float(width)) for v in (x0, x1))
     y0, y1 = (min(max(v, 0.0), float(height)) for v in (y0, y1))
-    if x1 - x0 < 1.0 or y1 - y0 < 1.0:
-        return ToolError(
-            ToolErrorKind.DEGENERATE_BOX, f"the box covers less than one pixel of the {width}x{height} source"
-        )
-    source_name = ORIGINAL_IMAGE if source == "observation_0" else source
-    # The source shows region (rx0, ry0, rx1, ry1) of the original, scaled to width x height.
-    rx0, ry0, rx1, ry1 = session.region(source_name)  # type: ignore[misc]
     kx, ky = (rx1 - rx0) / width, (ry1 - ry0) / height
-    composed = (rx0 + x0 * kx, ry0 + y0 * ky, rx0 + x1 * kx, ry0 + y1 * ky)
-    # Outwards to whole pixels, once; 1e-9 keeps float noise (279.9999999999) from adding a pixel.
-    left, top = math.floor(composed[0] + 1e-9), math.floor(composed[1] + 1e-9)
-    right, bottom = math.ceil(composed[2] - 1e-9), math.ceil(composed[3] - 1e-9)
+    if budget.crop_cut == "whole_pixels":
+        bx0, by0 = int(x0), int(y0)
+        bx1, by1 = min(int(x1), width - 1), min(int(y1), height - 1)
+        if bx0 > bx1 - 1 or by0 > by1 - 1:
+            return ToolError(ToolErrorKind.DEGENERATE_BOX,
+                             f"the box covers less than one whole pixel of the {width}x{height} source")
+        left, top = round(rx0) + bx0, round(ry0) + by0
+        right, bottom = round(rx0) + bx1, round(ry0) + by1
+        composed = (float(left), float(top), float(right), float(bottom))
+        box_px = (bx0, by0, bx1, by1)
+    elif budget.crop_cut == "shown":
+        # PIL's Image.crop rounds a float box (round half to even), as Pixel-Reasoner's call relies on.
+        bx0, by0, bx1, by1 = round(x0), round(y0), round(x1), round(y1)
+        if bx1 - bx0 < 1 or by1 - by0 < 1:
+            return ToolError(ToolErrorKind.DEGENERATE_BOX,
+                             f"the box covers less than one pixel of the {width}x{height} image shown")
+        composed = (rx0 + bx0 * kx, ry0 + by0 * ky, rx0 + bx1 * kx, ry0 + by1 * ky)
+        left, top = math.floor(composed[0] + 1e-9), math.floor(composed[1] + 1e-9)
+        right, bottom = math.ceil(composed[2] - 1e-9), math.ceil(composed[3] - 1e-9)
+        box_px = (bx0, by0, bx1, by1)
+    else:
+        if x1 - x0 < 1.0 or y1 - y0 < 1.0:
+            return ToolError(
+                ToolErrorKind.DEGENERATE_BOX, f"the box covers less than one pixel of the {width}x{height} source"
+            )
+        composed = (rx0 + x0 * kx, ry0 + y0 * ky, rx0 + x1 * kx, ry0 + y1 * ky)
+        # Outwards to whole pixels, once; 1e-9 keeps float noise (279.9999999999) from adding a pixel.
+        left, top = math.floor(composed[0] + 1e-9), math.floor(composed[1] + 1e-9)
+        right, bottom = math.ceil(composed[2] - 1e-9), math.ceil(composed[3] - 1e-9)
+        right, bottom = max(right, left + 1), max(bottom, top + 1)
+        box_px = (math.floor(x0), math.floor(y0), math.ceil(x1), math.ceil(y1))
     right, bottom = max(right, left + 1), max(bottom, top + 1)
-    crop_w, crop_h = right - left, bottom - top
-    if min(crop_w, crop_h) < budget.min_crop_side:
-        return ToolError(ToolErrorKind.DEGENERATE_BOX, f"the box is {crop_w}x{crop_h} px of the original; both sides "
+    # The cut's size in pixels of the image it comes from: the shown image's, or the original's.
+    cut_w, cut_h = ((box_px[2] - box_px[0], box_px[3] - box_px[1]) if budget.crop_cut == "shown"
+                    else (right - left, bottom - top))
+    where = "of the image shown" if budget.crop_cut == "shown" else "of the original"
+    if min(cut_w, cut_h) < budget.min_crop_side:
+        return ToolError(ToolErrorKind.DEGENERATE_BOX, f"the box is {cut_w}x{cut_h} px {where}; both sides "
                                                        f"must be at least {budget.min_crop_side} px")
-    if max(crop_w, crop_h) / min(crop_w, crop_h) > MAX_ASPECT_RATIO:
+    if max(cut_w, cut_h) / min(cut_w, cut_h) > MAX_ASPECT_RATIO:
         return ToolError(
             ToolErrorKind.DEGENERATE_BOX,
-            f"the box is {crop_w}x{crop_h} px, more elongated than {MAX_ASPECT_RATIO}:1",
+            f"the box is {cut_w}x{cut_h} px, more elongated than {MAX_ASPECT_RATIO}:1",
         )
-    new_h, new_w = smart_resize(crop_h, crop_w, budget)
-    if new_h * new_w > budget.max_pixels:
+    crops = budget.for_crops()
+    new_h, new_w = smart_resize(cut_h, cut_w, crops)
+    if new_h * new_w > crops.max_pixels:
         # Only extreme aspect ratios get here: the short side cannot go under one factor.
-        return ToolError(ToolErrorKind.DEGENERATE_BOX, f"the {crop_w}x{crop_h} px box is too thin for the pixel budget")
-    original = session.get(ORIGINAL_IMAGE)
-    assert original is not None  # the source exists, so the original it was cut from does
-    region = original.crop((left, top, right, bottom))
+        return ToolError(ToolErrorKind.DEGENERATE_BOX, f"the {cut_w}x{cut_h} px box is too thin for the pixel budget")
+    if budget.crop_cut == "shown":
+        region = image.crop(box_px)  # type: ignore[union-attr]
+    else:
+        original = session.get(ORIGINAL_IMAGE)
+        assert original is not None  # the source exists, so the original it was cut from does
+        region = original.crop((left, top, right, bottom))
     if region.size != (new_w, new_h):
         region = region.resize((new_w, new_h), Image.Resampling.BICUBIC)
-    box_px = (math.floor(x0), math.floor(y0), math.ceil(x1), math.ceil(y1))
-    return CropResult(image=region, source=source_name, box_px=box_px, region=composed, region_px=(left, top, right, bottom))
+    return CropResult(image=region, source=source, box_px=box_px, region=composed,
+                      region_px=(left, top, right, bottom))
 
 
 @dataclass(frozen=True)
@@ -268,6 +365,16 @@ def register_tool(tool: Tool) -> Tool:
 
 
 register_tool(Tool("crop", CROP_SCHEMA, crop))
+
+
+def select_frames(session: ImageSession, arguments: dict[str, Any], budget: PixelBudget) -> CropResult | ToolError:
+    """Pixel-Reasoner's frame picker, offered in its prompt beside the crop: a dialogue about images has no frames
+    to pick, so it fails, as upstream's `execute_tool` does on an image (experience_maker.py)."""
+    return ToolError(ToolErrorKind.BAD_ARGUMENTS, "select_frames picks frames of a video, and this dialogue holds "
+                                                  "images; use crop_image_normalized to look closer at an image")
+
+
+register_tool(Tool("select_frames", {"type": "object", "properties": {"target_frames": {"type": "array"}}}, select_frames))
 
 
 def run_tool(call: ToolCall, session: ImageSession, budget: PixelBudget) -> CropResult | ToolError:

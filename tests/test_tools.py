@@ -712,3 +712,89 @@ def test_a_new_tool_registers_and_runs_through_run_tool(rotate_tool, noise):
     unknown = run_tool(ToolCall("segment", {}), session, NO_RESIZE)
     assert "rotate" in unknown.detail  # the error lists every registered tool
 
+
+
+# --- how crops are cut: crop_cut, crop_padding, the crops' own budget ------------------------------------------
+
+
+def _mini_o3_nested_boxes(size, boxes):
+    """Mini-o3's arithmetic (function_tools.py @ 8654dbf, `prepare_grounding_inputs_multi_turn` then
+    `crop_image(..., resize=1)`), as an oracle: each level keeps the full-resolution cut; a relative box times
+    the kept image's size is truncated with int(), its far edge kept below the last row and column."""
+    left, top, (width, height) = 0, 0, size
+    out = []
+    for x0, y0, x1, y1 in boxes:
+        b = [int(x0 * width), int(y0 * height), int(x1 * width), int(y1 * height)]
+        b = [max(b[0], 0), max(b[1], 0), min(b[2], width - 1), min(b[3], height - 1)]
+        left, top, width, height = left + b[0], top + b[1], b[2] - b[0], b[3] - b[1]
+        out.append((left, top, left + width, top + height))
+    return out
+
+
+def test_whole_pixel_cuts_land_where_mini_o3s_nested_zooms_land():
+    import random
+
+    rng = random.Random(7)
+    budget = PixelBudget(3136, 200704, crop_cut="whole_pixels")
+    mismatched_composed = 0
+    for _ in range(20):
+        size = (rng.randint(600, 2000), rng.randint(600, 2000))
+        boxes = []
+        for _depth in range(5):
+            x0, y0 = rng.uniform(0, 0.5), rng.uniform(0, 0.5)
+            boxes.append((x0, y0, rng.uniform(x0 + 0.3, 1.0), rng.uniform(y0 + 0.3, 1.0)))
+        expected = _mini_o3_nested_boxes(size, boxes)
+        for cut, compare in (("whole_pixels", True), ("composed", False)):
+            session = ImageSession(original=Image.new("RGB", size))
+            source = ORIGINAL_IMAGE
+            for box, want in zip(boxes, expected):
+                result = crop(session, {"bbox_2d": list(box), "source": source},
+                              PixelBudget(3136, 200704, crop_cut=cut))
+                assert isinstance(result, CropResult)
+                if compare:
+                    assert result.region_px == want
+                else:
+                    mismatched_composed += result.region_px != want
+                source = session.add_observation(result.image, result.region)
+    assert budget.crop_cut == "whole_pixels"
+    assert mismatched_composed > 0  # Loupe's own arithmetic differs from Mini-o3's, which is why the setting exists
+
+
+def test_whole_pixel_cuts_refuse_a_box_under_one_whole_pixel():
+    session = ImageSession(original=Image.new("RGB", (100, 100)))
+    result = crop(session, {"bbox_2d": [0.5, 0.5, 0.509, 0.9]}, PixelBudget(3136, 50176, crop_cut="whole_pixels"))
+    assert isinstance(result, ToolError) and result.kind == ToolErrorKind.DEGENERATE_BOX
+
+
+def test_shown_cuts_come_from_the_image_as_shown_with_padding_and_their_own_budget():
+    original = Image.new("RGB", (2000, 1000))
+    original.paste((255, 0, 0), (1000, 500, 2000, 1000))  # the bottom-right quarter is red
+    budget = PixelBudget(3136, 200704, min_crop_side=29, crop_max_pixels=50176, crop_padding=0.1, crop_cut="shown")
+    session = ImageSession(original=original)
+    result = crop(session, {"bbox_2d": [0.6, 0.6, 0.9, 0.9]}, budget)
+    assert isinstance(result, CropResult)
+    shown = session.shown(ORIGINAL_IMAGE, budget)
+    assert shown.width * shown.height <= 200704 < original.width * original.height
+    # 0.1 of the shown image's side on each side: [0.5, 0.5, 1.0, 1.0] of it, cut from its pixels.
+    assert result.box_px == (round(0.5 * shown.width), round(0.5 * shown.height), shown.width, shown.height)
+    assert result.image.width * result.image.height <= 50176
+    assert result.image.getpixel((result.image.width // 2, result.image.height // 2)) == (255, 0, 0)
+    # A crop of a crop is cut from the crop as shown, and its region maps back onto the original.
+    again = crop(session, {"bbox_2d": [0.2, 0.2, 0.7, 0.7], "source": session.add_observation(result.image, result.region)},
+                 budget)
+    assert isinstance(again, CropResult)
+    assert 1000 <= again.region[0] < again.region[2] <= 2000
+
+
+def test_shown_cuts_refuse_a_cut_under_min_crop_side_of_the_image_shown():
+    budget = PixelBudget(3136, 40000, min_crop_side=29, crop_cut="shown")
+    session = ImageSession(original=Image.new("RGB", (4000, 4000)))  # shown at 196 x 196
+    result = crop(session, {"bbox_2d": [0.1, 0.1, 0.2, 0.2]}, budget)  # 20 px of the image shown
+    assert isinstance(result, ToolError) and "of the image shown" in result.detail
+
+
+@pytest.mark.parametrize("bad", [{"crop_padding": -0.1}, {"crop_padding": 1.0}, {"crop_cut": "nearest"},
+                                 {"crop_min_pixels": 90000, "crop_max_pixels": 40000}])
+def test_a_bad_crop_setting_is_refused(bad):
+    with pytest.raises(ValueError):
+        PixelBudget(3136, 50176, **bad)

@@ -99,7 +99,8 @@ class Rollout:
                 trajectory.prompt_tokens = engine.context_length(state)
                 trajectory.turns[0].num_tokens = trajectory.prompt_tokens
                 # A text-only task has no original: a crop call gets the tool's "no such source" error back.
-                session = ImageSession(original=originals[0] if originals else None)
+                session = ImageSession(original=originals[0] if originals else None,
+                                       shown_original=shown[0] if shown else None)
                 item = _Live(trajectory, session, state, protocol_params.format_error_retries)
                 if trajectory.prompt_tokens + self.max_new_tokens > protocol_params.max_context_tokens:
                     self._finish(item, "over_turn")
@@ -238,7 +239,7 @@ def _add_observation(
     number = int(name.rsplit("_", 1)[1])
     source_index = 0 if result.source == "original_image" else _observation_image_index(trajectory, result.source)
     index = trajectory.add_image(result.image)
-    text = protocol.observation_turn(number)
+    text = protocol.observation_turn(number, result.image.size)
     trajectory.turns.append(
         Turn(
             "user",
