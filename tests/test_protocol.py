@@ -720,8 +720,9 @@ def test_single_turn_parses_an_answer_and_cannot_render_a_call():
         SINGLE.render_call("t", ToolCall("crop", {"bbox_2d": [0, 0, 1, 1], "source": ORIGINAL_IMAGE}))
 
 
-@pytest.mark.parametrize("name", sorted(PROTOCOLS))
+@pytest.mark.parametrize("name", sorted(set(PROTOCOLS) - {"pixel_reasoner"}))
 def test_every_variant_has_a_system_prompt_naming_its_answer_tags(name):
+    # Pixel-Reasoner's system turn names its tools only; its question turn asks for \boxed{} (tested below).
     prompt = get_protocol(name).system_prompt()
     answer_tag = "\\boxed{}" if name == "boxed" else "<answer>"
     assert answer_tag in prompt and "<think>" in prompt
@@ -901,3 +902,75 @@ def test_to_sharegpt_refuses_a_trajectory_not_ending_on_an_assistant_turn(finish
     finished_trajectory.pending.clear()
     with pytest.raises(ValueError, match="assistant turn"):
         to_sharegpt(finished_trajectory)
+
+
+# --- Pixel-Reasoner's own dialogue ----------------------------------------------------------------------------
+
+PR = get_protocol("pixel_reasoner")
+
+
+def _pr_call(arguments, name="crop_image_normalized", tail=""):
+    return "Let me look. <tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>" + tail
+
+
+def test_pixel_reasoner_system_turn_is_the_nous_tool_block_over_its_two_tools():
+    prompt = PR.system_prompt()
+    assert prompt.startswith("You are a helpful assistant.\n\n# Tools\n\nYou may call one or more functions")
+    tools = prompt.split("<tools>\n")[1].split("\n</tools>")[0].split("\n")
+    assert [json.loads(t)["function"]["name"] for t in tools] == ["crop_image_normalized", "select_frames"]
+    assert json.loads(tools[0])["function"]["parameters"]["required"] == ["bbox_2d", "target_image"]
+    assert prompt.endswith('<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+
+
+def test_pixel_reasoner_reads_a_call_only_from_a_turn_that_ends_with_it():
+    action = PR.parse(_pr_call({"bbox_2d": [0.1, 0.2, 0.5, 0.6], "target_image": 2}), num_observations=1)
+    assert action.call == ToolCall("crop", {"bbox_2d": [0.1, 0.2, 0.5, 0.6], "source": "observation_1",
+                                            "frame": "relative"})
+    assert action.think == "Let me look."
+    # A newline after </tool_call> makes the turn final (upstream checks endswith, unstripped): graded as text.
+    final = PR.parse(_pr_call({"bbox_2d": [0.1, 0.2, 0.5, 0.6], "target_image": 1}, tail="\n"))
+    assert final.call is None and final.answer is not None
+    # The last <tool_call> is read.
+    two = PR.parse("<tool_call>{}</tool_call> then " + _pr_call({"bbox_2d": [1, 2, 30, 40], "target_image": 1}))
+    assert two.call.arguments["frame"] == "absolute" and two.call.arguments["bbox_2d"] == [1, 2, 30, 40]
+
+
+@pytest.mark.parametrize(("text", "answer"), [("so \\boxed{B}.", "B"), ("the answer is 3", "the answer is 3"),
+                                              ("\\boxed{\\frac{1}{2}} or \\boxed{ 7 }", "7")])
+def test_pixel_reasoner_answers_with_the_last_box_or_the_text(text, answer):
+    assert PR.parse(text).answer == answer
+
+
+@pytest.mark.parametrize(("arguments", "name", "kind"), [
+    ({"bbox_2d": [0.1, 0.1, 0.5, 0.5]}, "crop_image_normalized", FormatErrorKind.MISSING_KEY),
+    ({"bbox_2d": [0.1, 0.1, 0.5, 0.5], "target_image": 0}, "crop_image_normalized", FormatErrorKind.UNKNOWN_SOURCE),
+    ({"bbox_2d": [0.1, 0.1, 0.5, 0.5], "target_image": 1.5}, "crop_image_normalized", FormatErrorKind.WRONG_TYPE),
+    ({"bbox_2d": [0.1, 0.1, 0.5], "target_image": 1}, "crop_image_normalized", FormatErrorKind.WRONG_TYPE),
+    ({"bbox_2d": [0.1, 0.1, 0.5, 0.5], "target_image": 1}, "zoom", FormatErrorKind.UNKNOWN_TOOL),
+])
+def test_pixel_reasoner_refuses_malformed_calls(arguments, name, kind):
+    action = PR.parse(_pr_call(arguments, name))
+    assert action.error is not None and action.error.kind == kind
+
+
+def test_pixel_reasoner_passes_a_missing_image_and_select_frames_to_the_tools_which_fail_them():
+    from loupe.tools import ImageSession, PixelBudget, ToolError, run_tool
+
+    session = ImageSession(original=Image.new("RGB", (200, 100)))
+    far = PR.parse(_pr_call({"bbox_2d": [0.1, 0.1, 0.5, 0.5], "target_image": 4}), num_observations=1).call
+    frames = PR.parse(_pr_call({"target_frames": [1, 2]}, "select_frames")).call
+    for call in (far, frames):
+        assert isinstance(run_tool(call, session, PixelBudget(3136, 50176)), ToolError)
+
+
+def test_pixel_reasoner_turns_are_upstreams():
+    assert PR.observation_turn(1, (504, 392)) == "\nHere is the cropped image (Image Size: 504x392):" + IMAGE_PLACEHOLDER
+    assert PR.error_turn("bad box") == "\nExecution error:\nbad box\n"
+
+
+def test_pixel_reasoner_renders_calls_it_reads_back():
+    call = ToolCall("crop", {"bbox_2d": [0.25, 0.5, 1.0, 1.0], "source": "observation_2", "frame": "relative"})
+    back = PR.parse(PR.render_call("zoom", call), num_observations=2).call
+    assert back.arguments["source"] == "observation_2" and back.arguments["frame"] == "relative"
+    assert back.arguments["bbox_2d"] == [0.25, 0.5, 0.999, 0.999]
+    assert PR.parse(PR.render_answer("so", "B")).answer == "B"

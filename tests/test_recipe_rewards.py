@@ -172,3 +172,54 @@ def test_multi_turn_presets_pay_what_upstream_pays_on_the_replayed_dialogue(pres
     asked = (question.get("answer_text") or question.get("prediction")) if isinstance(question, dict) else None
     if asked is not None:
         assert judge.asked == [asked]
+
+
+# --- Pixel-Reasoner: the replayed dialogue must read as upstream's, and pay what upstream's rule pays -----------
+
+
+def _pixel_reasoner_replay(case: dict, tmp_path: Path):
+    """The case's assistant turns through Loupe's loop at the preset's own protocol settings (pixels included:
+    the crops' sizes are written into the observation turns the reward reads)."""
+    from PIL import Image
+    from test_rollout_loop import ScriptedEngine
+
+    from loupe.config import ProtocolParams
+    from loupe.rollout.loop import run_rollouts
+
+    Image.new("RGB", (1000, 800), (90, 120, 150)).save(tmp_path / "scene.png")
+    params = read_recipe(REPO, REPO / "params" / "pixel-reasoner.yaml")
+    protocol = ProtocolParams.model_validate(params["protocol"])
+    engine = ScriptedEngine([[turn["text"] for turn in case["turns"]]])
+    task = TaskRecord(doc_id=case["id"], images=["scene.png"], problem="q", solution=str(case["ground_truth"]))
+    [trajectory] = run_rollouts([task], engine, protocol, tmp_path, max_turns=protocol.max_turns)
+    return trajectory
+
+
+def test_pixel_reasoner_has_at_least_15_cases_each_citing_upstream():
+    cases = _cases("pixel-reasoner")
+    assert len(cases) >= 15 and len({c["id"] for c in cases}) == len(cases)
+    assert all(c["cite"] and c["why"] for c in cases)
+    assert {c["expected"]["accuracy_rule"] for c in cases} == {-1.0, 0.0, 1.0}  # every value the rule can pay
+
+
+@pytest.mark.parametrize("case", _cases("pixel-reasoner"), ids=lambda c: c["id"])
+def test_pixel_reasoner_pays_what_upstream_pays_on_the_replayed_dialogue(case, tmp_path):
+    import re
+
+    from loupe.rewards import score_trajectory
+    from loupe.rewards.deepeyes import decoded_response
+    from loupe.rewards.pixel_reasoner import pixel_reasoner_response
+
+    trajectory = _pixel_reasoner_replay(case, tmp_path)
+    # Each turn given back is upstream's: a crop at the size upstream would show it, or an execution error (whose
+    # reason is Loupe's own words where upstream prints the exception).
+    response = pixel_reasoner_response(decoded_response(
+        [(t.role, t.text, not (t.error or "").startswith("length")) for t in trajectory.turns[1:]]))
+    assert re.sub(r"Execution error:\n.*?\n<\|im_end\|>", "Execution error:\nERR\n<|im_end|>", response,
+                  flags=re.DOTALL) == case["upstream_response"]
+    _, cfg = _settings("pixel-reasoner")
+    parts = score_trajectory(trajectory, cfg)
+    expected = case["expected"]
+    assert parts.accuracy == pytest.approx(expected["accuracy"]), f"{case['id']}: {case['why']} ({case['cite']})"
+    assert parts.tool == pytest.approx(expected["penalty"])
+    assert parts.total == pytest.approx(expected["total"])

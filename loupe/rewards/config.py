@@ -83,7 +83,8 @@ class RewardConfig(BaseModel):
     """Subtracted per tool call beyond `free_tool_calls`."""
     free_tool_calls: int = Field(default=0, ge=0)
     """Tool calls that cost nothing before `tool_call_penalty` applies."""
-    free_form_match: Literal["exact", "judge", "math", "mathruler", "r1v", "lmm_r1", "deepeyes", "mini_o3"] = "exact"
+    free_form_match: Literal["exact", "judge", "math", "mathruler", "r1v", "lmm_r1", "deepeyes", "mini_o3",
+                             "pixel_reasoner"] = "exact"
     """Free-form answers: normalised exact match only; exact match then the LLM judge for the rest; or `math`,
     equal by value through math-verify (`\\frac{1}{2}` = 0.5, `\\boxed{60}` = 60), then exact match
     (`loupe.rewards.math_grading.math_equal`: R1-V's, LMM-R1's and Pixel-Reasoner's verifier); or `mathruler`,
@@ -95,7 +96,12 @@ class RewardConfig(BaseModel):
     the last `<answer>`'s text for every task, choice included, its format from tag counts, and its tool bonus
     for a right answer after at least one crop the tool returned (needs `judge` and `format_rule: deepeyes`); or
     `mini_o3`, Mini-o3's: the judge on the first `<answer>` across the assistant turns, for every task, choice
-    included (`loupe.rewards.mini_o3`; needs `judge`)."""
+    included (`loupe.rewards.mini_o3`; needs `judge`); or `pixel_reasoner`, Pixel-Reasoner's rule on the whole
+    decoded response, lowercased (`loupe.rewards.pixel_reasoner`): the last `\\boxed`, then `<answer>`, then
+    the whole text through math-verify, 1 / 0, and -1 when nothing in it parses."""
+    failed_last_call_zeroes: bool = False
+    """A right answer scores 0 when the trajectory's last tool call failed, i.e. its last turn given back was an
+    error (Pixel-Reasoner's `final_error_flags`: a broken visual operation the model did not mend)."""
     format_rule: Literal["loupe", "r1v", "easyr1", "deepeyes", "lmm_r1"] = "loupe"
     """What the format part measures (see `format_reward`): `loupe` 1 / 0.5 / 0 for a clean answer / one without
     `<think>` or after format errors / none; `r1v` 1 when the final turn is exactly `<think>…</think>
@@ -143,8 +149,10 @@ class RewardConfig(BaseModel):
 
     @property
     def reads_response(self) -> bool:
-        """Whether any task is scored on the whole decoded response (DeepEyes' rule), which then must be built."""
-        return self.free_form_match == "deepeyes" or any(c.reads_response for c in self._by_source.values())
+        """Whether any task is scored on the whole decoded response (DeepEyes' and Pixel-Reasoner's rules), which
+        then must be built."""
+        own = self.free_form_match in ("deepeyes", "pixel_reasoner")
+        return own or any(c.reads_response for c in self._by_source.values())
 
     def for_source(self, data_source: str | None) -> RewardConfig:
         """The settings that score a task of `data_source`: its `by_data_source` entry, or these."""

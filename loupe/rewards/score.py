@@ -20,6 +20,7 @@ from loupe.rewards.lmm_r1 import lmm_r1_accuracy
 from loupe.rewards.math_grading import grade_answer, math_equal
 from loupe.rewards.mini_o3 import mini_o3_answer
 from loupe.rewards.parts import RewardParts
+from loupe.rewards.pixel_reasoner import pixel_reasoner_accuracy, pixel_reasoner_response
 from loupe.rewards.r1v import r1v_accuracy
 from loupe.rewards.text import exact_match
 from loupe.trajectory import END_REASONS, Trajectory
@@ -52,13 +53,16 @@ def score(
     final_text: str | None = None,
     response: str | None = None,
     assistant_turns: list[str] | None = None,
+    last_call_failed: bool = False,
 ) -> RewardParts:
     """Score one finished trajectory.
 
     `answer` is the text inside the final `<answer>…</answer>` (the rollout's `Action.answer`), None when the
     trajectory ended otherwise; `has_think` says whether the model's turns reasoned inside `<think>…</think>`;
     `num_format_errors` counts turns that came back as error observations; `final_text` is the last assistant
-    turn verbatim (the `r1v` format rule reads it). A trajectory that did not answer
+    turn verbatim (the `r1v` format rule reads it); `response` the decoded dialogue after the question (the
+    `deepeyes` and `pixel_reasoner` rules read it); `last_call_failed` whether the last turn given back was an
+    error (`failed_last_call_zeroes`). A trajectory that did not answer
     scores accuracy 0 (valid). Raises ValueError for an unknown end reason, or when `cfg` asks for a judge
     and none is given (configuration mistakes, not runtime trouble).
     """
@@ -86,6 +90,10 @@ def score(
         extracted = final_text
         accuracy = lmm_r1_accuracy(final_text, task.solution, cfg.upstream_bugs == "fix")
         matched_by = "lmm_r1"
+    elif cfg.free_form_match == "pixel_reasoner":  # graded on the whole response, answered or not
+        text = pixel_reasoner_response(response if response is not None else (final_text or ""))
+        extracted = last_boxed(text)
+        accuracy, matched_by = pixel_reasoner_accuracy(text, task.solution), "pixel_reasoner"
     elif cfg.free_form_match == "mathruler":  # EasyR1: the last \boxed{} of the response, answered or not
         extracted = last_boxed(final_text or "")
         accuracy, matched_by = float(grade_answer(extracted if extracted is not None else "None", task.solution)), "mathruler"
@@ -116,6 +124,8 @@ def score(
 
     if cfg.format_rule == "deepeyes" and len(answer or "") >= DEEPEYES_MAX_ANSWER_CHARS:
         accuracy = 0.0
+    if cfg.failed_last_call_zeroes and last_call_failed and accuracy > 0.5:
+        accuracy, matched_by = 0.0, f"{matched_by}, last call failed"
     tool = tool_reward(accuracy == 1.0, num_tool_calls, cfg)
     total = cfg.accuracy_weight * accuracy + cfg.format_weight * fmt + tool
     return RewardParts(accuracy, fmt, tool, total, True, None, extracted, matched_by)
@@ -169,6 +179,7 @@ def score_trajectory(trajectory: Trajectory, cfg: RewardConfig, judge: LLMJudge 
     """Score a finished trajectory and record every part on it (`trajectory.rewards`)."""
     assistant = [turn.text for turn in trajectory.turns if turn.role == "assistant"]
     has_think = bool(assistant) and all("<think>" in text and "</think>" in text for text in assistant)
+    given_back = [turn for turn in trajectory.turns[1:] if turn.role == "user"]
     parts = score(
         TaskRecord.model_validate(trajectory.task),
         trajectory.answer,
@@ -182,6 +193,7 @@ def score_trajectory(trajectory: Trajectory, cfg: RewardConfig, judge: LLMJudge 
         response=decoded_response([(turn.role, turn.text, not (turn.error or "").startswith("length"))
                                    for turn in trajectory.turns[1:]]) if cfg.reads_response else None,
         assistant_turns=assistant,
+        last_call_failed=bool(given_back) and bool(given_back[-1].error),
     )
     trajectory.rewards = parts.to_dict()
     return parts
