@@ -11,8 +11,10 @@ style documentation and the comments in params.yaml come from one place.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -330,6 +332,7 @@ def params_with_overrides(params_path: str | Path, overrides: list[str]) -> Path
         return Path(params_path)
     data = apply_overrides(read_params_file(params_path), overrides, str(params_path))
     folder = Path(tempfile.mkdtemp(prefix="loupe-params-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)  # the stage's process reads it, then it goes
     target = folder / f"{Path(params_path).stem}+overrides.yaml"
     target.write_text(f"# {params_path} with {' '.join(overrides)}\n" + yaml.safe_dump(data, sort_keys=False))
     os.environ[OVERRIDES_ENV] = " ".join([*filter(None, [os.environ.get(OVERRIDES_ENV, "")]), *overrides])
