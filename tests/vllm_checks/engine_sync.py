@@ -14,7 +14,9 @@ sampler, weights synced into the live engine from a learner, and the encoder-cac
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -48,7 +50,9 @@ def check(result: dict) -> None:
 
     model = model_dir()
     result["versions"] = versions()
-    root = make_toy_tasks(Path(tempfile.mkdtemp(prefix="vllm-sync-")))
+    scratch = Path(tempfile.mkdtemp(prefix="vllm-sync-"))
+    atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+    root = make_toy_tasks(scratch)
     tasks = read_tasks(root / "train.jsonl")[:3]
     protocol = ProtocolParams(max_turns=2, max_context_tokens=2048)
     rollout = RolloutParams(engine="vllm", temperature=1.0, max_new_tokens=12, vllm_dtype="float32")
