@@ -95,6 +95,10 @@ class ProtocolParams(Section):
     tool_extra_arguments: list[str] = Field(default_factory=list)
     """Tool-call argument names accepted and ignored besides the tool's own (DeepEyes' schema and example
     call carry an optional `label`, which its tool does not read)."""
+    out_of_range_boxes: Literal["refuse", "clamp"] = "refuse"
+    """A box reaching outside its image (beyond half a pixel, or 1e-3 of a relative side): refused with an error
+    turn (`refuse`), or clamped onto the image and cut (`clamp`: DeepEyes' tool takes max(0, left) and
+    min(width, right), visual_toolbox_v2.py `maybe_resize_bbox`)."""
     min_crop_side: int = Field(1, ge=1)
     """A crop whose shorter side, in pixels of the image it is cut from (the original; with `crop_cut: shown`
     the image shown), is below this is refused with an error turn (DeepEyes: 31, since its tool needs both

@@ -220,11 +220,12 @@ def _check_keys(obj: dict[str, Any], required: tuple[str, ...], what: str, accep
         raise _Invalid(FormatErrorKind.WRONG_TYPE, f"{what} has unexpected keys [{shown}]")
 
 
-def _check_box(value: Any, upper: float | None) -> tuple[float, float, float, float]:
+def _check_box(value: Any, upper: float | None, clamp: bool = False) -> tuple[float, float, float, float]:
     """A 4-number box with x0 < x1, y0 < y1, each in [0, upper] (no upper bound when None).
 
     A coordinate within the tolerance outside the range (`RELATIVE_TOLERANCE` for relative boxes,
-    `ABSOLUTE_TOLERANCE` below 0 for pixel boxes) is clamped into it; one farther out is refused. The numbers are
+    `ABSOLUTE_TOLERANCE` below 0 for pixel boxes) is clamped into it; one farther out is refused, or clamped too
+    when `clamp` (`protocol.out_of_range_boxes: clamp`, DeepEyes' tool). The numbers are
     otherwise kept exactly as written: a box too small to cover a pixel passes here and the crop tool, which
     knows the source's size, refuses it.
     """
@@ -240,7 +241,7 @@ def _check_box(value: Any, upper: float | None) -> tuple[float, float, float, fl
         raise _Invalid(FormatErrorKind.NOT_FINITE, "'bbox_2d' holds a number that is not finite")
     limit = "in [0, 1]" if upper == 1.0 else "non-negative pixels"
     slack = RELATIVE_TOLERANCE if upper == 1.0 else ABSOLUTE_TOLERANCE
-    if any(v < -slack or (upper is not None and v > upper + slack) for v in box):
+    if not clamp and any(v < -slack or (upper is not None and v > upper + slack) for v in box):
         raise _Invalid(FormatErrorKind.OUT_OF_RANGE, f"'bbox_2d' coordinates must be {limit}, got {_shown(value, 80)}")
     top = upper if upper is not None else math.inf
     x0, y0, x1, y1 = (0.0 if v <= 0 else min(v, top) for v in box)  # -0.0 becomes 0.0 too
@@ -285,6 +286,8 @@ class Protocol:
     """A recipe's error turn (`protocol.error_template`: `{error}`), or None."""
     extra_arguments: tuple[str, ...] = ()
     """Tool-call argument names accepted and ignored (`protocol.tool_extra_arguments`)."""
+    clamp_boxes: bool = False
+    """Whether a box reaching outside its image is clamped onto it rather than refused (`protocol.out_of_range_boxes`)."""
 
     def observation_turn(self, index: int, size: tuple[int, int] | None = None) -> str:
         """The user turn returning crop `index`, shown at `size` (width, height): the recipe's template when set
@@ -452,7 +455,7 @@ class MiniO3Protocol(Protocol):
     def _read_call(self, payload: str, num_observations: int) -> ToolCall:
         obj = _load_json_object(payload, "the grounding call")
         _check_keys(obj, ("bbox_2d", "source"), "the grounding call", self.extra_arguments)
-        box = _check_box(obj["bbox_2d"], upper=1.0)
+        box = _check_box(obj["bbox_2d"], upper=1.0, clamp=self.clamp_boxes)
         source = obj["source"]
         if not isinstance(source, str):
             raise _Invalid(FormatErrorKind.WRONG_TYPE, "'source' must be a string")
@@ -539,7 +542,7 @@ class DeepEyesProtocol(Protocol):
         if not isinstance(obj["arguments"], dict):
             raise _Invalid(FormatErrorKind.WRONG_TYPE, "'arguments' must be a JSON object")
         _check_keys(obj["arguments"], ("bbox_2d",), "the tool call's arguments", self.extra_arguments)
-        box = _check_box(obj["arguments"]["bbox_2d"], upper=None)
+        box = _check_box(obj["arguments"]["bbox_2d"], upper=None, clamp=self.clamp_boxes)
         return ToolCall("crop", {"bbox_2d": list(box), "source": ORIGINAL_IMAGE, "frame": "absolute"})
 
     def render_call(self, think: str, call: ToolCall) -> str:
@@ -774,6 +777,7 @@ def make_protocol(params: Any) -> Protocol:
     protocol.observation_override = getattr(params, "observation_template", None)
     protocol.error_override = getattr(params, "error_template", None)
     protocol.extra_arguments = tuple(getattr(params, "tool_extra_arguments", ()) or ())
+    protocol.clamp_boxes = getattr(params, "out_of_range_boxes", "refuse") == "clamp"
     return protocol
 
 

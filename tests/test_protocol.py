@@ -974,3 +974,19 @@ def test_pixel_reasoner_renders_calls_it_reads_back():
     assert back.arguments["source"] == "observation_2" and back.arguments["frame"] == "relative"
     assert back.arguments["bbox_2d"] == [0.25, 0.5, 0.999, 0.999]
     assert PR.parse(PR.render_answer("so", "B")).answer == "B"
+
+
+def test_out_of_range_boxes_are_refused_or_clamped_as_the_protocol_says():
+    from loupe.config import ProtocolParams
+    from loupe.protocol import make_protocol
+
+    turn = '<think>x</think>\n<tool_call>{"name": "image_zoom_in_tool", "arguments": {"bbox_2d": [-40, 300, 1180, 640]}}</tool_call>'
+    refusing = make_protocol(ProtocolParams(name="deepeyes"))
+    clamping = make_protocol(ProtocolParams(name="deepeyes", out_of_range_boxes="clamp"))
+    assert refusing.parse(turn).error.kind == FormatErrorKind.OUT_OF_RANGE
+    assert clamping.parse(turn).call.arguments["bbox_2d"] == [0.0, 300.0, 1180.0, 640.0]
+    relative = make_protocol(ProtocolParams(name="mini_o3", out_of_range_boxes="clamp"))
+    call = relative.parse('<grounding>{"bbox_2d": [-0.3, 0.2, 1.4, 0.6], "source": "original_image"}</grounding>').call
+    assert call.arguments["bbox_2d"] == [0.0, 0.2, 1.0, 0.6]
+    outside = relative.parse('<grounding>{"bbox_2d": [1.2, 0.2, 1.4, 0.6], "source": "original_image"}</grounding>')
+    assert outside.error.kind == FormatErrorKind.EMPTY_BOX  # clamped to nothing

@@ -132,9 +132,6 @@ def _replayed(preset: str, case: dict, tmp_path: Path):
 
 
 DEEPEYES_KNOWN = {
-    # DeepEyes' tool clamps a negative coordinate to 0 and crops; Loupe's parser refuses a box reaching below
-    # -0.5 px as out of range (an error turn, no crop, so no tool bonus).
-    "DE08": "Loupe refuses a negative coordinate that DeepEyes clamps",
     "DE22": "ThinkLite rows use DeepEyes' math scorer (an LLM check beside math-verify), which Loupe does not have",
     "DE23": "geoguessr rows use DeepEyes' common-reasoning scorer, which Loupe does not have",
 }
