@@ -9,9 +9,12 @@ with the default pipeline's, and two recipes can be run, compared and rerun side
     loupe, stages, pipelines, params    links to the repository's code and templates (DVC hashes through them)
     work/            every output, as in the repository
 
-A recipe file may start from another: `base: params.yaml` at its top takes every value of that file and the
-recipe's own sections are merged over it (mappings key by key, lists and values replaced), so a CPU twin of a
-recipe lists only what the recipe changes on the embedded default. `base` is resolved against the repository.
+A recipe file may start from another: `base: params/<recipe>.yaml` at its top takes every value of that file
+(itself merged over its own `base`, if any) and the recipe's own sections are merged over it (mappings key by key,
+lists and values replaced), so a CPU twin starts from its recipe's GPU preset and writes only what it scales.
+`base` is resolved against the repository. A top-level `scaled:` mapping (`scaled_keys`) lists each dotted key
+the file changes on its base with a one-line reason why (`rl.steps: "40 steps fit a laptop"`; a key covers
+everything under it); it documents the file and is checked by tests/test_recipes.py, and no stage sees it.
 
 The shape (`pipeline.sft`, `pipeline.rl_stages`, `data.extra_families`) is applied to the repository's
 dvc.yaml rather than written anew, so every stage keeps its command, dependencies, parameters and outputs and
@@ -122,9 +125,33 @@ def merged(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _scaled(params_file: Path, data: dict[str, Any]) -> dict[str, str]:
+    """Pop and check the `scaled` mapping of a params file's top level (empty when it has none)."""
+    scaled = data.pop("scaled", None)
+    if scaled is None:
+        return {}
+    if not isinstance(scaled, dict):
+        raise ParamsError(f"{params_file}: scaled: must be a mapping of dotted keys to one-line reasons, "
+                          f"got {scaled!r}")
+    for key, reason in scaled.items():
+        if not isinstance(key, str) or not all(part.strip() for part in key.split(".")):
+            raise ParamsError(f"{params_file}: scaled: {key!r} is not a dotted key path (e.g. rl.steps)")
+        if not isinstance(reason, str) or not reason.strip() or "\n" in reason.strip():
+            raise ParamsError(f"{params_file}: scaled.{key}: must give a one-line reason, got {reason!r}")
+    return dict(scaled)
+
+
+def scaled_keys(params_file: Path) -> dict[str, str]:
+    """The dotted keys a recipe file lists under `scaled:` (the keys it changes on its base), each with its
+    reason; empty when it lists none. Only the file's own list: its base's is not inherited."""
+    return _scaled(Path(params_file), read_params_file(params_file))
+
+
 def read_recipe(repo: Path, params_file: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """A recipe's params as one mapping: its `base` file's (recursively) with its own merged over them."""
+    """A recipe's params as one mapping: its `base` file's (recursively) with its own merged over them. Each
+    file's `scaled` list is checked and dropped: it documents the file, no stage reads it."""
     data = read_params_file(params_file)
+    _scaled(params_file, data)
     base = data.pop("base", None)
     if base is None:
         return data

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from loupe.config import ModelParams, ParamsError, ProtocolParams, RolloutParams, parse_section
+from loupe.config import ModelParams, ParamsError, ProtocolParams, RolloutParams, parse_section, read_params_file
 from loupe.data.families import DataParams
 from pipelines.params import PipelineParams
-from pipelines.workspace import merged, prepare_workspace, read_recipe, shaped_stages
+from pipelines.workspace import merged, prepare_workspace, read_recipe, scaled_keys, shaped_stages
 from stages.eval.params import EvalParams
 from stages.rl.params import RLParams
 from stages.sft.params import SftParams
@@ -63,6 +63,81 @@ def test_a_recipe_merges_over_its_base(tmp_path):
     assert merged({"a": {"b": 1}}, {"a": 2}) == {"a": 2}
 
 
+_ABSENT = object()
+
+
+def _leaves(tree: dict, prefix: str = "") -> dict:
+    """Dotted path -> value of every leaf (a value, a list or an empty mapping) of a params mapping."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(_leaves(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _twin_differences(recipe: str) -> dict:
+    """The leaves where the resolved CPU twin differs from its resolved GPU preset: (twin's, preset's)."""
+    twin, gpu = (_leaves(read_recipe(ROOT, ROOT / "params" / f"{name}.yaml")) for name in (f"{recipe}-cpu", recipe))
+    return {path: (twin.get(path, _ABSENT), gpu.get(path, _ABSENT)) for path in sorted(set(twin) | set(gpu))
+            if twin.get(path, _ABSENT) != gpu.get(path, _ABSENT)}
+
+
+def _under(path: str, key: str) -> bool:
+    return path == key or path.startswith(key + ".")
+
+
+def _shown(value) -> str:
+    return "absent" if value is _ABSENT else repr(value)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_a_cpu_twin_differs_from_its_gpu_preset_only_in_keys_it_lists_as_scaled(recipe):
+    twin_file = ROOT / "params" / f"{recipe}-cpu.yaml"
+    assert read_params_file(twin_file)["base"] == f"params/{recipe}.yaml", "a twin starts from its GPU preset"
+    scaled = scaled_keys(twin_file)
+    differences = _twin_differences(recipe)
+    unlisted = [f"{path}: twin {_shown(t)}, preset {_shown(g)}" for path, (t, g) in differences.items()
+                if not any(_under(path, key) for key in scaled)]
+    assert not unlisted, f"{twin_file.name}: differs from {recipe}.yaml in keys not under scaled:\n" + \
+        "\n".join(unlisted)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_scaled_key_of_a_cpu_twin_really_differs(recipe):
+    differences = _twin_differences(recipe)
+    stale = [key for key in scaled_keys(ROOT / "params" / f"{recipe}-cpu.yaml")
+             if not any(_under(path, key) for path in differences)]
+    assert not stale, f"{recipe}-cpu.yaml: scaled lists keys the twin does not change: {stale}"
+
+
+@pytest.mark.parametrize("scaled", ["[rl.steps]", "rl.steps", "{rl.steps: ''}", "{rl.steps: 40}", "{rl.steps: }",
+                                    "{rl.steps: \"two\\nlines\"}", "{'rl..steps': a reason}",
+                                    "{3: a reason}"])
+def test_a_malformed_scaled_list_names_the_file(tmp_path, scaled):
+    (tmp_path / "base.yaml").write_text("rl: {steps: 300}\n")
+    twin = tmp_path / "twin.yaml"
+    twin.write_text(f"base: base.yaml\nscaled: {scaled}\nrl: {{steps: 40}}\n")
+    with pytest.raises(ParamsError, match=re.escape(str(twin)) + ": scaled"):
+        scaled_keys(twin)
+    with pytest.raises(ParamsError, match=re.escape(str(twin)) + ": scaled"):
+        read_recipe(tmp_path, twin)
+
+
+def test_stages_never_see_scaled(tmp_path):
+    (tmp_path / "base.yaml").write_text("scaled: {rl.lr: the base's own list}\nrl: {steps: 300, lr: 1.0e-6}\n")
+    twin = tmp_path / "twin.yaml"
+    twin.write_text("base: base.yaml\nscaled: {rl.steps: 40 steps fit a laptop}\nrl: {steps: 40}\n")
+    assert read_recipe(tmp_path, twin) == {"rl": {"steps": 40, "lr": 1.0e-6}}
+    assert scaled_keys(twin) == {"rl.steps": "40 steps fit a laptop"}  # the file's own list, not its base's
+    assert scaled_keys(tmp_path / "base.yaml") == {"rl.lr": "the base's own list"}
+    for preset in PRESETS:
+        assert "scaled" not in read_recipe(ROOT, preset), preset.name
+    workspace = prepare_workspace(ROOT, ROOT / "params" / "r1-v-cpu.yaml", runs=tmp_path / "runs")
+    assert "scaled" not in yaml.safe_load((workspace / "params.yaml").read_text())
+
+
 SPEC = yaml.safe_load((ROOT / "dvc.yaml").read_text())
 
 
@@ -108,7 +183,7 @@ def test_a_workspace_is_a_dvc_project_of_the_recipes_shape(tmp_path):
     assert workspace == tmp_path / "lmm-r1-cpu"
     assert all((workspace / name).is_symlink() for name in ("loupe", "stages", "pipelines", "params"))
     params = yaml.safe_load((workspace / "params.yaml").read_text())
-    assert params["rl_fre"]["estimator"] == "reinforce_pp" and params["sft"]["learning_rate"] == 0.001  # base's
+    assert params["rl_fre"]["estimator"] == "reinforce_pp" and params["sft"]["learning_rate"] == 0.001  # twin's
     dag = subprocess.run([sys.executable, "-m", "dvc", "dag", "--md"], cwd=workspace, capture_output=True,
                          text=True, check=True).stdout
     names = dict(re.findall(r'(node\d+)\["([^"]+)"\]', dag))
