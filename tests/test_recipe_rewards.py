@@ -132,8 +132,6 @@ def _replayed(preset: str, case: dict, tmp_path: Path):
 
 
 DEEPEYES_KNOWN = {
-    "DE22": "ThinkLite rows use DeepEyes' math scorer (an LLM check beside math-verify), which Loupe does not have",
-    "DE23": "geoguessr rows use DeepEyes' common-reasoning scorer, which Loupe does not have",
 }
 """DeepEyes cases whose trajectory Loupe's rollout makes differently (the protocol), and why; their totals are
 asserted to differ, so a change that mends one shows here."""

@@ -677,3 +677,76 @@ def test_the_judge_reads_the_question_without_image_placeholders():
     cfg = RewardConfig(free_form_match="judge", judge=JudgeConfig(base_url="http://127.0.0.1:9/v1", model="j", api_key_env=None))
     parts = score(task, "halt", "answered", 1, 0, True, cfg, recorder)
     assert recorder.question == "What is written on the sign?" and parts.accuracy == 1.0
+
+
+# --- DeepEyes' scorers for its ThinkLite and geoguessr rows ----------------------------------------------------
+
+
+class _AskRecorder:
+    def __init__(self, score):
+        self.score, self.asked = score, []
+
+    def __call__(self, answer):
+        from loupe.rewards.judge import JudgeResult
+
+        self.asked.append(answer)
+        return JudgeResult(score=self.score, valid=self.score is not None)
+
+
+def test_deepeyes_math_reads_the_last_box_after_thinking_and_asks_the_judge_only_when_math_verify_disagrees():
+    from loupe.rewards.deepeyes import deepeyes_math
+
+    ask = _AskRecorder(0.0)
+    assert deepeyes_math("<think>3 x 4</think> so \\boxed{12}.", "12", ask) == (1.0, 0.0, "12")
+    assert ask.asked == []
+    assert deepeyes_math("<think>x</think> \\boxed{11} or \\boxed{13}", "12", ask) == (0.0, -1.0, "13")
+    assert ask.asked == ["13"]  # two boxes: a format error, the last one judged
+    assert deepeyes_math("<think>x</think> twelve", "12", ask) == (0.0, -1.0, "")
+    assert deepeyes_math("<think>\\boxed{12}</think> no box after thinking", "12", ask)[0] == 0.0
+    assert deepeyes_math("<think>x</think> \\boxed{a dozen}", "12", _AskRecorder(1.0))[0] == 1.0
+    assert deepeyes_math("<think>x</think> \\boxed{a dozen}", "12", _AskRecorder(None))[0] is None
+
+
+def test_deepeyes_common_judges_the_first_answer_after_thinking():
+    from loupe.rewards.deepeyes import deepeyes_common
+
+    ask = _AskRecorder(1.0)
+    assert deepeyes_common("<think>tower</think> <answer> Paris </answer>", "Paris", ask) == (1.0, 0.0, "Paris")
+    assert deepeyes_common("<think>tower</think> It is Paris.", "Paris", ask) == (0.0, -1.0, "")
+    assert deepeyes_common("<think>a</think><answer>Paris</answer><answer>Rome", "Paris", ask)[1] == -1.0
+    assert ask.asked == ["Paris", "Paris"]
+
+
+@pytest.mark.parametrize(("reply", "score"), [
+    ("## Equivalence Judgement\nTRUE", 1.0), ("## Equivalence Judgement\nFALSE", 0.0),
+    ("## Equivalence Judgement\nTRUE or FALSE", None), ("I think so", None),
+    ("false at first... ## Equivalence Judgement\nTrue", 1.0),
+])
+def test_equivalence_verdicts_read_the_text_after_the_last_heading(reply, score):
+    from loupe.rewards.judge import parse_equivalence
+
+    assert parse_equivalence(reply) == score
+
+
+def test_a_data_source_may_name_its_own_judge_and_its_rows_use_it():
+    from loupe.rewards.config import RewardConfig
+
+    judge = {"base_url": "http://127.0.0.1:9/v1", "api_key_env": None}
+    cfg = RewardConfig(free_form_match="judge", judge=judge,
+                       by_data_source={"geo": {"free_form_match": "deepeyes_common",
+                                               "judge": {**judge, "verdict": "equivalence", "system_prompt": ""}}})
+    assert cfg.for_source("geo").judge.verdict == "equivalence"
+    assert cfg.for_source("other").judge.verdict == "score"
+    with pytest.raises(ValueError, match="by_data_source.geo"):
+        RewardConfig(by_data_source={"geo": {"free_form_match": "deepeyes_math"}})  # no judge anywhere
+
+
+def test_an_empty_judge_system_prompt_sends_the_user_message_alone():
+    from loupe.rewards.config import JudgeConfig
+    from loupe.rewards.judge import JudgeItem, LLMJudge
+
+    config = JudgeConfig(api_key_env=None, system_prompt="", verdict="equivalence",
+                         prompt_template="params/templates/judge_deepeyes_equivalence.jinja")
+    messages = LLMJudge(config)._messages(JudgeItem("Where?", "Paris", "Rome"))
+    assert [m["role"] for m in messages] == ["user"]
+    assert "## Equivalence Judgement" in messages[0]["content"] and messages[0]["content"].endswith("Rome")

@@ -44,14 +44,18 @@ class JudgeConfig(BaseModel):
     temperature: float | None = 0.0
     """Sampling temperature; None sends none (some reasoning models accept only their default). DeepEyes: 0.3."""
     system_prompt: str | None = None
-    """The judge's system message in place of Loupe's (DeepEyes sends "You are a helpful assistant.")."""
+    """The judge's system message in place of Loupe's (DeepEyes sends "You are a helpful assistant."); an empty
+    string sends none (DeepEyes' geoguessr and math checks send the user message alone)."""
     prompt_template: str | None = None
     """A Jinja file rendering the judge's user message from `question`, `reference` and `prediction`, in place
     of Loupe's; read when the config loads. Its text is part of every cache key."""
-    verdict: Literal["score", "judgement"] = "score"
-    """How a reply is read: `score`, a "Score: 1" / "Score: 0" line (a reply without one is retried); or
+    verdict: Literal["score", "judgement", "equivalence"] = "score"
+    """How a reply is read: `score`, a "Score: 1" / "Score: 0" line (a reply without one is retried);
     `judgement`, DeepEyes' rule (`vl_agent.py`: the text after the last "Judgement:", or the whole reply, is
-    right when it holds a 1, and wrong otherwise; never retried)."""
+    right when it holds a 1, and wrong otherwise; never retried); or `equivalence`, DeepEyes' rule for its
+    geoguessr and math rows (`vl_agent.py`, `compute_common_reasoning` and `generative_verify`: the text after the
+    last "## Equivalence Judgement", lowercased, is right when it holds "true" and not "false", wrong the other
+    way round; a reply holding both or neither is retried)."""
     _template_text: str | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
@@ -66,6 +70,10 @@ class JudgeConfig(BaseModel):
     @property
     def template_text(self) -> str | None:
         return self._template_text
+
+
+JUDGED = ("judge", "deepeyes", "deepeyes_math", "deepeyes_common", "mini_o3")
+"""The `free_form_match` rules that ask the LLM judge."""
 
 
 class RewardConfig(BaseModel):
@@ -83,8 +91,8 @@ class RewardConfig(BaseModel):
     """Subtracted per tool call beyond `free_tool_calls`."""
     free_tool_calls: int = Field(default=0, ge=0)
     """Tool calls that cost nothing before `tool_call_penalty` applies."""
-    free_form_match: Literal["exact", "judge", "math", "mathruler", "r1v", "lmm_r1", "deepeyes", "mini_o3",
-                             "pixel_reasoner"] = "exact"
+    free_form_match: Literal["exact", "judge", "math", "mathruler", "r1v", "lmm_r1", "deepeyes", "deepeyes_math",
+                             "deepeyes_common", "mini_o3", "pixel_reasoner"] = "exact"
     """Free-form answers: normalised exact match only; exact match then the LLM judge for the rest; or `math`,
     equal by value through math-verify (`\\frac{1}{2}` = 0.5, `\\boxed{60}` = 60), then exact match
     (`loupe.rewards.math_grading.math_equal`: R1-V's, LMM-R1's and Pixel-Reasoner's verifier); or `mathruler`,
@@ -94,7 +102,10 @@ class RewardConfig(BaseModel):
     included; or `lmm_r1`, LMM-R1's math verifier server in process (`loupe.rewards.lmm_r1`), likewise; or
     `deepeyes`, DeepEyes' `compute_score` on the whole decoded response (`loupe.rewards.deepeyes`): the judge on
     the last `<answer>`'s text for every task, choice included, its format from tag counts, and its tool bonus
-    for a right answer after at least one crop the tool returned (needs `judge` and `format_rule: deepeyes`); or
+    for a right answer after at least one crop the tool returned (needs `judge` and `format_rule: deepeyes`);
+    `deepeyes_math` and `deepeyes_common`, its scorers for ThinkLite and geoguessr rows (`compute_score_math`:
+    the last `\\boxed{}` by math-verify, then the judge; `compute_common_reasoning`: the judge on the first
+    `<answer>`; both need `judge`, with `verdict: equivalence` for DeepEyes' prompts); or
     `mini_o3`, Mini-o3's: the judge on the first `<answer>` across the assistant turns, for every task, choice
     included (`loupe.rewards.mini_o3`; needs `judge`); or `pixel_reasoner`, Pixel-Reasoner's rule on the whole
     decoded response, lowercased (`loupe.rewards.pixel_reasoner`): the last `\\boxed`, then `<answer>`, then
@@ -118,21 +129,22 @@ class RewardConfig(BaseModel):
     """Reward settings for the tasks of one `data_source`, set over the ones above (verl's
     `default_compute_score` picks a scorer by data_source; DeepEyes scores its ThinkLite math rows with a math
     rule and its visual rows with the judge): `{thinklite: {free_form_match: math}}`. Each is validated as a
-    whole RewardConfig; the judge is the one above."""
+    whole RewardConfig; a `judge` of its own asks another prompt (or model) for those rows, else the judge
+    above is asked."""
     _by_source: dict[str, RewardConfig] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="after")
     def _judge_configured_when_used(self) -> RewardConfig:
         if self.free_form_match == "deepeyes" and self.format_rule != "deepeyes":
             raise ValueError("free_form_match: deepeyes scores DeepEyes' format too; set format_rule: deepeyes")
-        if (self.free_form_match in ("judge", "deepeyes", "mini_o3") or self.choice_judge_fallback) and self.judge is None:
+        if (self.free_form_match in JUDGED or self.choice_judge_fallback) and self.judge is None:
             raise ValueError(
                 "judge: a judge section is required when free_form_match is 'judge' or choice_judge_fallback is on"
             )
         base = self.model_dump(exclude={"by_data_source"})
         for source, settings in self.by_data_source.items():
-            if "by_data_source" in settings or "judge" in settings:
-                raise ValueError(f"by_data_source.{source}: sets the scoring rules only; the judge is the one above")
+            if "by_data_source" in settings:
+                raise ValueError(f"by_data_source.{source}: cannot hold a by_data_source of its own")
             try:
                 self._by_source[source] = RewardConfig(**{**base, **settings})
             except ValidationError as err:
@@ -144,14 +156,14 @@ class RewardConfig(BaseModel):
     @property
     def wants_judge(self) -> bool:
         """Whether any task, of any data source, may be sent to the judge."""
-        own = self.free_form_match in ("judge", "deepeyes", "mini_o3") or self.choice_judge_fallback
+        own = self.free_form_match in JUDGED or self.choice_judge_fallback
         return own or any(cfg.wants_judge for cfg in self._by_source.values())
 
     @property
     def reads_response(self) -> bool:
         """Whether any task is scored on the whole decoded response (DeepEyes' and Pixel-Reasoner's rules), which
         then must be built."""
-        own = self.free_form_match in ("deepeyes", "pixel_reasoner")
+        own = self.free_form_match in ("deepeyes", "deepeyes_math", "deepeyes_common", "pixel_reasoner")
         return own or any(c.reads_response for c in self._by_source.values())
 
     def for_source(self, data_source: str | None) -> RewardConfig:

@@ -1,4 +1,5 @@
-"""DeepEyes' reward rules (Visual-Agent/DeepEyes, `verl/utils/reward_score/vl_agent.py`, `compute_score`)."""
+"""DeepEyes' reward rules (Visual-Agent/DeepEyes, `verl/utils/reward_score/vl_agent.py`): `compute_score` for its
+visual rows, `compute_score_math` and `compute_common_reasoning` for the rows its dispatcher sends there."""
 
 from __future__ import annotations
 
@@ -60,3 +61,57 @@ def deepeyes_format_broken(response: str) -> bool:
             or response.count("<|vision_start|><|image_pad|>") != response.count("<|image_pad|><|vision_end|>")
             or tail.count("<answer>") != tail.count("</answer>")
             or len(deepeyes_answer_text(response)) >= DEEPEYES_MAX_ANSWER_CHARS)
+
+
+# --- DeepEyes' other scorers, picked by data_source (`verl/utils/reward_score/__init__.py`) --------------------
+
+
+def _think_unbalanced(response: str) -> bool:
+    return response.count("<think>") != response.count("</think>")
+
+
+def deepeyes_math(response: str, solution: str, ask) -> tuple[float | None, float, str]:
+    """`compute_score_math` (its ThinkLite and xince rows): the `\\boxed{…}` contents (no nested braces) after
+    the last `</think>`; none is wrong and a format error, several a format error; the last is right when
+    math-verify finds the reference equal to it (reference first), else when the judge (`ask(answer)`, a
+    JudgeResult) says so. Returns (accuracy, format, answer); accuracy None when the judge failed."""
+    import re
+
+    from math_verify import parse, verify
+
+    broken = _think_unbalanced(response)
+    tail = response.split("</think>")[-1].strip()
+    answers = re.findall(r"\\boxed{([^}]+)}", tail, flags=re.DOTALL)
+    if not answers:
+        return 0.0, -1.0, ""
+    broken = broken or len(answers) > 1
+    answer = answers[-1]
+    try:
+        equal = bool(verify(parse(solution, parsing_timeout=None), parse(answer, parsing_timeout=None),
+                            timeout_seconds=None))
+    except Exception:  # noqa: BLE001 - a failed check is "not equal", and the judge decides
+        equal = False
+    fmt = -1.0 if broken else 0.0
+    if equal:
+        return 1.0, fmt, answer
+    verdict = ask(answer)
+    return (float(verdict.score or 0.0) if verdict.valid else None), fmt, answer
+
+
+def deepeyes_common(response: str, solution: str, ask) -> tuple[float | None, float, str]:
+    """`compute_common_reasoning` (its geoguessr rows): DeepEyes' format checks on the whole response, the
+    first `<answer>…</answer>` (across lines) after the last `</think>`, stripped; none, or 1,000 characters
+    or more, is wrong and a format error; otherwise the judge (`ask(answer)`) decides. Returns (accuracy,
+    format, answer); accuracy None when the judge failed."""
+    import re
+
+    tail = response.split("</think>")[-1].strip()
+    broken = (_think_unbalanced(response)
+              or response.count("<|vision_start|><|image_pad|>") != response.count("<|image_pad|><|vision_end|>")
+              or tail.count("<answer>") != tail.count("</answer>"))
+    found = re.search(r"<answer>(.*?)</answer>", tail, re.DOTALL)
+    answer = found.group(1).strip() if found else ""
+    if not answer or len(answer) >= DEEPEYES_MAX_ANSWER_CHARS:
+        return 0.0, -1.0, answer
+    verdict = ask(answer)
+    return (float(verdict.score or 0.0) if verdict.valid else None), (-1.0 if broken else 0.0), answer

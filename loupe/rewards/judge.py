@@ -57,6 +57,18 @@ def parse_judge_score(reply: str | None) -> float | None:
     return float(found[-1]) if found else None
 
 
+def parse_equivalence(reply: str | None) -> float | None:
+    """DeepEyes' reading of its equivalence checks (`vl_agent.py`, `compute_common_reasoning`,
+    `generative_verify`): the text after the last "## Equivalence Judgement", lowercased, gives 1.0 when it holds
+    "true" and not "false", 0.0 the other way round, None (no verdict) otherwise."""
+    text = (reply or "").split("## Equivalence Judgement")[-1].lower()
+    if "true" in text and "false" not in text:
+        return 1.0
+    if "false" in text and "true" not in text:
+        return 0.0
+    return None
+
+
 def parse_judgement(reply: str | None) -> float:
     """DeepEyes' reading of a judge reply (`verl/utils/reward_score/vl_agent.py`, `compute_score`): the text
     after the last "Judgement:" (or the whole reply) is right when it holds a 1; anything else is wrong."""
@@ -261,7 +273,7 @@ class LLMJudge:
 
             user = compile_template(self.config.template_text, self.config.prompt_template).render(
                 question=item.question, reference=item.reference, prediction=item.prediction)
-            return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+            return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
         user = (
             f"Question:\n{item.question}\n\nReference answer:\n{item.reference}\n\n"
             f"Candidate answer:\n<<<\n{item.prediction}\n>>>\n\n"
@@ -277,11 +289,13 @@ class LLMJudge:
             with self._lock:
                 self.calls += 1
 
-        judgement = self.config.verdict == "judgement"
+        verdict = self.config.verdict
+        read = {"score": parse_judge_score, "judgement": parse_judgement, "equivalence": parse_equivalence}[verdict]
 
         def holds_a_score(reply: endpoint.ChatReply) -> None:
-            if not judgement and parse_judge_score(reply.text) is None:
-                raise endpoint.EndpointFault(f"reply holds no 'Score: 0/1': {reply.text[:120]!r}")
+            if read(reply.text) is None:  # parse_judgement always reads one: DeepEyes never asks again
+                wanted = "'## Equivalence Judgement' TRUE/FALSE" if verdict == "equivalence" else "'Score: 0/1'"
+                raise endpoint.EndpointFault(f"reply holds no {wanted}: {reply.text[:120]!r}")
 
         request: dict[str, Any] = {
             "model": self.config.model,
@@ -298,5 +312,5 @@ class LLMJudge:
             log.error("judge gave up after %d attempt(s): %s", err.attempts, err.cause)
             return JudgeResult(score=None, valid=False, attempts=err.attempts, error=err.cause)
         text = sent.reply.text
-        found = parse_judgement(text) if judgement else parse_judge_score(text)
+        found = read(text)
         return JudgeResult(score=found, valid=True, attempts=sent.attempts, reply=text)

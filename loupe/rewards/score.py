@@ -10,6 +10,8 @@ from loupe.rewards.config import RewardConfig
 from loupe.rewards.deepeyes import (
     DEEPEYES_MAX_ANSWER_CHARS,
     decoded_response,
+    deepeyes_common,
+    deepeyes_math,
     deepeyes_answer_text,
     deepeyes_crops,
     deepeyes_format_broken,
@@ -68,7 +70,11 @@ def score(
     """
     if end_reason not in END_REASONS:
         raise ValueError(f"unknown end_reason {end_reason!r}; expected one of {', '.join(END_REASONS)}")
-    cfg = cfg.for_source(task.data_source)
+    top, cfg = cfg, cfg.for_source(task.data_source)
+    if cfg is not top and cfg.judge is not None and cfg.judge != top.judge:
+        judge = _SourceJudge(cfg)  # type: ignore[assignment]
+    if cfg.free_form_match in ("deepeyes_math", "deepeyes_common"):
+        return _deepeyes_other(task, response if response is not None else (final_text or ""), cfg, judge)
     if cfg.free_form_match == "deepeyes":
         return _deepeyes(task, response if response is not None else (final_text or ""), cfg, judge)
     if cfg.free_form_match == "mini_o3":
@@ -154,6 +160,40 @@ def _deepeyes(task: TaskRecord, response: str, cfg: RewardConfig, judge: LLMJudg
     tool = cfg.tool_bonus if deepeyes_crops(response) > 0 and accuracy > 0.5 else 0.0
     total = cfg.accuracy_weight * accuracy + cfg.format_weight * fmt + tool
     return RewardParts(accuracy, fmt, tool, total, True, None, answer_text, "deepeyes")
+
+
+_SOURCE_JUDGES: dict[str, LLMJudge] = {}
+
+
+class _SourceJudge:
+    """The judge of a `by_data_source` entry that names its own, made when first asked (a row that never reaches
+    the judge needs no key or server) and kept for the process, one per distinct judge config, so its cache and
+    connection serve every trajectory."""
+
+    def __init__(self, cfg: RewardConfig):
+        self.config = cfg.judge
+
+    def judge(self, question: str, reference: str, prediction: str) -> JudgeResult:
+        key = self.config.model_dump_json()  # type: ignore[union-attr]
+        if key not in _SOURCE_JUDGES:
+            _SOURCE_JUDGES[key] = LLMJudge(self.config)  # type: ignore[arg-type]
+        return _SOURCE_JUDGES[key].judge(question, reference, prediction)
+
+
+def _deepeyes_other(task: TaskRecord, response: str, cfg: RewardConfig, judge: LLMJudge | None) -> RewardParts:
+    """DeepEyes' `compute_score_math` or `compute_common_reasoning` (`loupe.rewards.deepeyes`) on the decoded
+    response, with the weights of `cfg` (DeepEyes: 1.2 x accuracy + 0.4 x format for math; 0.8, 0.2 and the
+    1.2 tool bonus for a right answer after a crop for geoguessr)."""
+    if judge is None:
+        raise ValueError("the reward config asks for an LLM judge but none was given to score()")
+    question = _judge_question_text(task)
+    rule = deepeyes_math if cfg.free_form_match == "deepeyes_math" else deepeyes_common
+    accuracy, fmt, answer = rule(response, task.solution, lambda text: judge.judge(question, task.solution, text))
+    if accuracy is None:
+        return RewardParts(None, fmt, 0.0, None, False, "judge failed", answer, "judge")
+    tool = cfg.tool_bonus if cfg.free_form_match == "deepeyes_common" and deepeyes_crops(response) > 0 and accuracy > 0.5 else 0.0
+    total = cfg.accuracy_weight * accuracy + cfg.format_weight * fmt + tool
+    return RewardParts(accuracy, fmt, tool, total, True, None, answer, cfg.free_form_match)
 
 
 def _mini_o3(task: TaskRecord, turns: list[str], end_reason: str, has_think: bool, num_format_errors: int,
