@@ -207,12 +207,16 @@ class RolloutParams(Section):
     """Who generates: transformers (CPU or GPU), vllm (GPU, or vLLM's CPU build: `make vllm-venv`) or an
     OpenAI-compatible endpoint."""
     temperature: float = Field(1.0, ge=0)
-    """Sampling temperature; 0 is greedy."""
+    """Sampling temperature; 0 is greedy. The RL learner scores every token at this temperature."""
+    later_turn_temperature: float | None = Field(None, ge=0)
+    """Sampling temperature of every assistant turn after a dialogue's first (Pixel-Reasoner: 0.9 after 1.0,
+    experience_maker.py); None: `temperature` throughout. Sampling only: the learner still scores at
+    `temperature`, as Pixel-Reasoner's OpenRLHF actor does, so RL needs `logprob_source: recompute`."""
     top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass."""
     top_k: int = Field(0, ge=0)
     """Sample among the k likeliest tokens only; 0 is off (R1-V's trl trainer samples with transformers'
     default top_k 50). Log-probs stay those of the untruncated distribution, which the learner recomputes."""
-    """Nucleus sampling mass."""
     max_new_tokens: int = Field(256, ge=1)
     """New tokens one assistant turn may generate; a turn that reaches it ends the trajectory as `length`."""
     batch_size: int = Field(64, ge=1)

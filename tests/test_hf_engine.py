@@ -194,3 +194,36 @@ def test_a_row_leaves_when_its_turn_ends_and_a_queued_turn_takes_its_place(tiny)
     third = eng.poll()
     assert [ticket for ticket, _ in third] == [tickets[1]] and third[0][1].num_tokens == 12
     assert eng._running is None
+
+
+def test_later_turns_sample_at_their_own_temperature_and_record_its_log_probs():
+    import torch
+
+    from loupe.rollout.kv_batch import sample
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    per_row = torch.tensor([[1.0], [0.5], [0.0], [2.0]])
+    tokens, logprobs = sample(logits, per_row, 1.0, [], torch.Generator().manual_seed(1))
+    assert tokens[2] == logits[2].argmax()  # a greedy row among sampled ones
+    for row in range(4):
+        scale = per_row[row, 0] if per_row[row, 0] > 0 else 1.0
+        expected = (logits[row] / scale).log_softmax(-1)[tokens[row]]
+        assert logprobs[row] == pytest.approx(float(expected), abs=1e-5)
+    # One temperature for every row is the scalar path exactly.
+    same = sample(logits, torch.full((4, 1), 0.7), 1.0, [], torch.Generator().manual_seed(3))
+    scalar = sample(logits, 0.7, 1.0, [], torch.Generator().manual_seed(3))
+    assert torch.equal(same[0], scalar[0]) and torch.allclose(same[1], scalar[1])
+
+
+def test_an_engine_picks_the_later_turn_temperature_after_the_first_turn():
+    from loupe.rollout.engine import Engine
+
+    class Plain(Engine):
+        begin = generate = add_user_turn = context_length = None
+
+    engine = Plain.__new__(Plain)
+    engine.temperature = 1.0
+    assert engine.temperature_for(True) == engine.temperature_for(False) == 1.0
+    engine.later_temperature = 0.9
+    assert (engine.temperature_for(True), engine.temperature_for(False)) == (1.0, 0.9)

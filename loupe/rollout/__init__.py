@@ -29,6 +29,7 @@ def make_engine(
 
         engine = OpenAIEngine(rollout.openai, stop, rollout.temperature, rollout.top_p, seed)
         engine.top_k = rollout.top_k
+        engine.later_temperature = rollout.later_turn_temperature
         return engine
     if model_path is None and (model is None or processor is None):
         raise ValueError(f"the {rollout.engine} engine needs a model directory")
@@ -52,6 +53,7 @@ def make_engine(
             enable_sleep_mode=sleep_mode,
         )
         engine.top_k = rollout.top_k
+        engine.later_temperature = rollout.later_turn_temperature
         return engine
     from loupe.models import load_model
     from loupe.rollout.hf import TransformersEngine
@@ -59,4 +61,5 @@ def make_engine(
     model = model if model is not None else load_model(model_path, device=rollout.device)
     engine = TransformersEngine(model, processor, stop, rollout.temperature, rollout.top_p, rollout.batch_size, seed)
     engine.top_k = rollout.top_k
+    engine.later_temperature = rollout.later_turn_temperature
     return engine

@@ -81,6 +81,14 @@ class Engine(ABC):
     name: str = "engine"
     batch_size: int = 1
     """Turns generated together: the most a `poll` of a batch engine takes from its queue."""
+    temperature: float = 1.0
+    """Sampling temperature of a dialogue's first assistant turn (of every turn unless `later_temperature`)."""
+    later_temperature: float | None = None
+    """Sampling temperature of every assistant turn after the first (`rollout.later_turn_temperature`), or None."""
+
+    def temperature_for(self, first_turn: bool) -> float:
+        """The temperature a turn samples at: `later_temperature` for a dialogue's later turns, when set."""
+        return self.temperature if first_turn or self.later_temperature is None else self.later_temperature
 
     @abstractmethod
     def begin(self, system: str, question: str, images: list[Image.Image]) -> Any:

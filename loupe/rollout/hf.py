@@ -454,7 +454,11 @@ class TransformersEngine(TokenContextEngine):
         self._take_sample(batch, output.logits[:, -1])
 
     def _take_sample(self, batch: Batch, logits: torch.Tensor) -> None:
-        tokens, logprobs = sample(logits, self.temperature, self.top_p, self.suppressed, self.generator, self.top_k)
+        temperature: float | torch.Tensor = self.temperature
+        if self.later_temperature is not None:  # one per row: a dialogue's first turn, or a later one
+            temperature = torch.tensor([[self.temperature_for(not any(row.state.trace.generated))]
+                                        for row in batch.rows], device=logits.device)
+        tokens, logprobs = sample(logits, temperature, self.top_p, self.suppressed, self.generator, self.top_k)
         for row, token, logprob in zip(batch.rows, tokens.tolist(), logprobs.tolist()):
             if row.finish:  # a static batch's ended row, fed padding until the batch ends
                 continue

@@ -238,7 +238,7 @@ class Positions:
         return stacked if self.dims == 3 else stacked[0]
 
 
-def sample(logits: torch.Tensor, temperature: float, top_p: float, suppressed: list[int],
+def sample(logits: torch.Tensor, temperature: float | torch.Tensor, top_p: float, suppressed: list[int],
            generator: torch.Generator, top_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Next tokens of (rows, vocab) logits and their log-probs.
 
@@ -246,8 +246,20 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, suppressed: l
     learner recomputes); the draw itself never picks a suppressed token and, with `top_p` < 1, keeps to the
     nucleus (transformers' `TopPLogitsWarper`: drop the least likely tokens whose mass is at most 1 - top_p) and,
     with `top_k` > 0, to the k likeliest tokens (`TopKLogitsWarper`, applied first, as transformers orders them).
-    Temperature 0 is greedy.
+    Temperature 0 is greedy. `temperature` may be a (rows, 1) tensor, one per row (a dialogue's first turn and
+    its later ones sample at different temperatures: `rollout.later_turn_temperature`).
     """
+    if isinstance(temperature, torch.Tensor):
+        per_row = temperature.to(logits.device, torch.float32).reshape(-1, 1)
+        scale, greedy_rows = torch.where(per_row > 0, per_row, torch.ones_like(per_row)), per_row[:, 0] <= 0
+        if bool(greedy_rows.all()) or not bool(greedy_rows.any()):
+            temperature = 0.0 if bool(greedy_rows.all()) else 1.0  # one kind of row: the scalar path below
+        else:
+            greedy_tokens, greedy_logprobs = sample(logits / scale, 0.0, top_p, suppressed, generator, top_k)
+            drawn_tokens, drawn_logprobs = sample(logits / scale, 1.0, top_p, suppressed, generator, top_k)
+            return (torch.where(greedy_rows, greedy_tokens, drawn_tokens),
+                    torch.where(greedy_rows, greedy_logprobs, drawn_logprobs))
+        logits = logits.float() / scale
     scale = temperature if temperature > 0 else 1.0
     logprobs = (logits.float() / scale).log_softmax(-1)
     scores = logprobs.clone()

@@ -217,7 +217,7 @@ class OpenAIEngine(Engine):
             "model": self.endpoint.model,
             "messages": state.messages,
             "max_tokens": max_new_tokens,
-            "temperature": self.temperature,
+            "temperature": self.temperature_for(not any(m.get("role") == "assistant" for m in state.messages)),
             "top_p": self.top_p,
         }
         if self.stop:

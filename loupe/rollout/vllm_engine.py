@@ -85,14 +85,14 @@ class VLLMEngine(TokenContextEngine):
             out.append(token)
         return out
 
-    def _sampling_params(self, max_new_tokens: int) -> Any:
+    def _sampling_params(self, max_new_tokens: int, first_turn: bool = True) -> Any:
         from vllm import SamplingParams
 
         # One seed per request, drawn in submission order: the K samples of a task differ, and a rerun with the
         # same seed repeats them.
         self._requests += 1
         return SamplingParams(
-            temperature=self.temperature,
+            temperature=self.temperature_for(first_turn),
             top_p=self.top_p,
             top_k=self.top_k,
             max_tokens=max_new_tokens,
@@ -116,7 +116,8 @@ class VLLMEngine(TokenContextEngine):
     def submit(self, state: _State, max_new_tokens: int) -> int:
         """Hand the turn to vLLM's scheduler at once (`LLM.enqueue`): it joins the running batch at vLLM's next
         step, beside turns that are mid-way, and shares cached prefixes with them."""
-        [internal_id] = self.llm.enqueue(self._prompt(state), self._sampling_params(max_new_tokens), use_tqdm=False)
+        sampling = self._sampling_params(max_new_tokens, first_turn=not any(state.trace.generated))
+        [internal_id] = self.llm.enqueue(self._prompt(state), sampling, use_tqdm=False)
         # `enqueue` returns vLLM's internal id, the LLM's counter plus "-" and 8 random characters
         # (`InputProcessor.assign_request_id`); outputs carry the counter alone (the external id).
         self._ticket += 1

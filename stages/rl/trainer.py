@@ -128,6 +128,10 @@ def read_inputs(params_path: Path, model_path: Path, tasks_dir: Path, section: s
         raise ValueError(f"{params_path}: rl.temperature: RL needs sampling (temperature > 0), got rollout.temperature 0")
     if rollout.engine == "openai":
         raise ValueError(f"{params_path}: rollout.engine: the openai engine keeps no token ids to train on; use transformers or vllm")
+    if rollout.later_turn_temperature is not None and params.logprob_source != "recompute":
+        raise ValueError(f"{params_path}: rollout.later_turn_temperature: later turns sample at another temperature than "
+                         "the learner scores at, so the sampler's log-probs are not the old policy's; set "
+                         f"{section}.logprob_source: recompute")
     if params.ray.colocate and rollout.engine == "transformers" and (params.ray.num_workers != 1 or params.learner_ranks != 1):
         raise ValueError(
             f"{params_path}: rl.ray.colocate: colocated mode runs one transformers engine on the learner's own module "
