@@ -183,7 +183,7 @@ def test_a_workspace_is_a_dvc_project_of_the_recipes_shape(tmp_path):
     assert workspace == tmp_path / "lmm-r1-cpu"
     assert all((workspace / name).is_symlink() for name in ("loupe", "stages", "pipelines", "params"))
     params = yaml.safe_load((workspace / "params.yaml").read_text())
-    assert params["rl_fre"]["estimator"] == "reinforce_pp" and params["sft"]["learning_rate"] == 0.001  # twin's
+    assert params["rl_fre"]["estimator"] == "reinforce_baseline" and params["sft"]["learning_rate"] == 0.001  # twin's
     dag = subprocess.run([sys.executable, "-m", "dvc", "dag", "--md"], cwd=workspace, capture_output=True,
                          text=True, check=True).stdout
     names = dict(re.findall(r'(node\d+)\["([^"]+)"\]', dag))
