@@ -75,7 +75,7 @@ class PixelBudget:
         if self.crop_cut not in CROP_CUTS:
             raise ValueError(f"crop_cut must be one of {', '.join(CROP_CUTS)}, got {self.crop_cut!r}")
 
-    def for_crops(self) -> "PixelBudget":
+    def for_crops(self) -> PixelBudget:
         """The budget a crop is resized into: this one, with the crops' own area limits where set."""
         if self.crop_min_pixels is None and self.crop_max_pixels is None:
             return self
@@ -105,6 +105,20 @@ def smart_resize(height: int, width: int, budget: PixelBudget, factor: int = IMA
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
+
+
+def fit_to_budget(image: Image.Image, budget: PixelBudget) -> Image.Image:
+    """The image as the model is shown it: resized by Qwen's rule (`smart_resize`) into `budget`, bicubic."""
+    height, width = smart_resize(image.height, image.width, budget)
+    return image if image.size == (width, height) else image.resize((width, height), Image.Resampling.BICUBIC)
+
+
+def _outwards(box: tuple[float, float, float, float]) -> tuple[int, int, int, int]:
+    """A float box rounded outwards to whole pixels, at least one each way; 1e-9 keeps float noise
+    (279.9999999999) from adding a pixel."""
+    left, top = math.floor(box[0] + 1e-9), math.floor(box[1] + 1e-9)
+    right, bottom = math.ceil(box[2] - 1e-9), math.ceil(box[3] - 1e-9)
+    return left, top, max(right, left + 1), max(bottom, top + 1)
 
 
 class ToolErrorKind(str, Enum):
@@ -174,9 +188,7 @@ class ImageSession:
             original = self._original()
             if original is None:
                 return None
-            height, width = smart_resize(original.height, original.width, budget)
-            self.shown_original = (original if original.size == (width, height)
-                                   else original.resize((width, height), Image.Resampling.BICUBIC))
+            self.shown_original = fit_to_budget(original, budget)
         return self.shown_original
 
     def region(self, source: str) -> tuple[float, float, float, float] | None:
@@ -291,8 +303,7 @@ def crop(session: ImageSession, arguments: dict[str, Any], budget: PixelBudget) 
             return ToolError(ToolErrorKind.DEGENERATE_BOX,
                              f"the box covers less than one pixel of the {width}x{height} image shown")
         composed = (rx0 + bx0 * kx, ry0 + by0 * ky, rx0 + bx1 * kx, ry0 + by1 * ky)
-        left, top = math.floor(composed[0] + 1e-9), math.floor(composed[1] + 1e-9)
-        right, bottom = math.ceil(composed[2] - 1e-9), math.ceil(composed[3] - 1e-9)
+        left, top, right, bottom = _outwards(composed)
         box_px = (bx0, by0, bx1, by1)
     else:
         if x1 - x0 < 1.0 or y1 - y0 < 1.0:
@@ -300,12 +311,8 @@ def crop(session: ImageSession, arguments: dict[str, Any], budget: PixelBudget) 
                 ToolErrorKind.DEGENERATE_BOX, f"the box covers less than one pixel of the {width}x{height} source"
             )
         composed = (rx0 + x0 * kx, ry0 + y0 * ky, rx0 + x1 * kx, ry0 + y1 * ky)
-        # Outwards to whole pixels, once; 1e-9 keeps float noise (279.9999999999) from adding a pixel.
-        left, top = math.floor(composed[0] + 1e-9), math.floor(composed[1] + 1e-9)
-        right, bottom = math.ceil(composed[2] - 1e-9), math.ceil(composed[3] - 1e-9)
-        right, bottom = max(right, left + 1), max(bottom, top + 1)
+        left, top, right, bottom = _outwards(composed)  # once, on the original
         box_px = (math.floor(x0), math.floor(y0), math.ceil(x1), math.ceil(y1))
-    right, bottom = max(right, left + 1), max(bottom, top + 1)
     # The cut's size in pixels of the image it comes from: the shown image's, or the original's.
     cut_w, cut_h = ((box_px[2] - box_px[0], box_px[3] - box_px[1]) if budget.crop_cut == "shown"
                     else (right - left, bottom - top))

@@ -7,7 +7,8 @@ from typing import Any
 from loupe.config import ProtocolParams, RolloutParams
 from loupe.protocol import get_protocol
 from loupe.rollout.engine import Engine, Generation, TokenTrace
-from loupe.rollout.loop import RolloutStats, fit_to_budget, run_rollouts
+from loupe.rollout.loop import RolloutStats, run_rollouts
+from loupe.tools import fit_to_budget
 
 __all__ = ["Engine", "Generation", "RolloutStats", "TokenTrace", "fit_to_budget", "make_engine", "run_rollouts"]
 

@@ -22,7 +22,7 @@ from loupe.config import ProtocolParams
 from loupe.data.tasks import TaskRecord
 from loupe.protocol import Protocol, make_protocol
 from loupe.rollout.engine import Engine
-from loupe.tools import CropResult, ImageSession, open_image, run_tool, smart_resize
+from loupe.tools import CropResult, ImageSession, fit_to_budget, open_image, run_tool
 from loupe.trajectory import Trajectory, Turn
 
 
@@ -34,10 +34,6 @@ class _Live:
     errors_left: int
 
 
-def fit_to_budget(image: Image.Image, protocol_params: ProtocolParams) -> Image.Image:
-    """The image as the model is shown it: resized by Qwen's rule into the protocol's pixel budget."""
-    height, width = smart_resize(image.height, image.width, protocol_params.budget)
-    return image if image.size == (width, height) else image.resize((width, height), Image.Resampling.BICUBIC)
 
 
 @dataclass
@@ -81,7 +77,7 @@ class Rollout:
         for task in self.tasks:
             # Decoded once per task: its samples share the original and the downscaled copy the model sees.
             originals = [open_image(p, image_root, protocol_params.max_decode_pixels) for p in task.images]
-            shown = [fit_to_budget(img, protocol_params) for img in originals]
+            shown = [fit_to_budget(img, protocol_params.budget) for img in originals]
             for k in range(samples_per_task):
                 trajectory = Trajectory(
                     traj_id=f"{task.doc_id}#{k}",

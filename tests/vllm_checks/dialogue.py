@@ -42,7 +42,7 @@ def scene() -> Image.Image:
 
 def turn_images(protocol: Any) -> list[list[Image.Image]]:
     """The images of each user turn, as the model sees them (already fitted to the protocol's budget)."""
-    from loupe.rollout.loop import fit_to_budget
+    from loupe.tools import fit_to_budget
 
     full = scene()
     crops = [
@@ -50,7 +50,7 @@ def turn_images(protocol: Any) -> list[list[Image.Image]]:
         [full.crop((600, 400, 860, 660))],
         [full.crop((700, 500, 757, 643)), full.crop((0, 0, 1400, 90))],
     ]
-    return [[fit_to_budget(image, protocol) for image in images] for images in crops]
+    return [[fit_to_budget(image, protocol.budget) for image in images] for images in crops]
 
 
 def protocol_params() -> Any:
