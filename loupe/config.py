@@ -119,6 +119,12 @@ class ProtocolParams(Section):
     and each crop as shown)."""
     max_decode_pixels: int = Field(400_000_000, gt=0)
     """Source images larger than this are refused before decoding (decompression-bomb guard)."""
+    video_max_frames: int = Field(8, ge=1)
+    """A video task's frame budget: at most this many frames, spread evenly over the clip (first and last
+    included), shown as the question's images (`loupe.video.read_clip`). Pixel-Reasoner's video prompts hold 16."""
+    video_max_pixels: int | None = Field(None, gt=0)
+    """A video task's pixel budget for all its frames together: each frame is resized into
+    `min(max_pixels, video_max_pixels / frames)` (not below `min_pixels`); None gives each frame `max_pixels`."""
     prompt_template: str | None = None
     """A Jinja file that renders the question turn (a recipe's prompt: R1-V's "Output the thinking process in
     <think> </think> ..." suffix, EasyR1's `format_prompt`); it sees `content` (the question as the protocol
@@ -171,6 +177,14 @@ class ProtocolParams(Section):
     def budget(self) -> PixelBudget:
         return PixelBudget(self.min_pixels, self.max_pixels, self.min_crop_side, self.crop_min_pixels,
                            self.crop_max_pixels, self.crop_padding, self.crop_cut)
+
+    def frame_budget(self, frames: int) -> PixelBudget:
+        """The pixel budget of each of a video task's `frames` frames (`video_max_pixels` shared among them)."""
+        if self.video_max_pixels is None:
+            return self.budget
+        share = max(self.min_pixels, min(self.max_pixels, self.video_max_pixels // max(frames, 1)))
+        return PixelBudget(self.min_pixels, share, self.min_crop_side, self.crop_min_pixels, self.crop_max_pixels,
+                           self.crop_padding, self.crop_cut)
 
 
 class OpenAIEndpointParams(Section):

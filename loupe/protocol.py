@@ -297,6 +297,18 @@ class Protocol:
         width, height = size if size is not None else ("?", "?")
         return self.observation_override.format(image=IMAGE_PLACEHOLDER, index=index, width=width, height=height)
 
+    def tool_result_turn(self, numbers: list[int], sizes: list[tuple[int, int]], text: str | None) -> str:
+        """The user turn returning a visual operation's outcome (`loupe.visual_ops`): each new image as an
+        observation turn would show it, then the operation's words."""
+        parts = [self.observation_turn(number, size) for number, size in zip(numbers, sizes)]
+        if text:
+            parts.append(self.tool_text(text))
+        return "\n".join(parts)
+
+    def tool_text(self, text: str) -> str:
+        """How an operation's words read in the dialogue; the protocol's grammar may wrap them."""
+        return text
+
     def error_turn(self, detail: str | FormatError) -> str:
         """The user turn after a malformed turn: the recipe's template when set, else the protocol's own."""
         if self.error_override is None:

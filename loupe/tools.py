@@ -16,8 +16,10 @@ rollout loop sends back as an error observation. Images the user supplied are an
 corrupt, truncated or oversized file, or a path outside the configured image root, raises `ImageError` naming
 the file (see `loupe.images`), because that is the data's fault, not the model's.
 
-New tools (rotate, read text, segment) register a `Tool` in `TOOLS` with a JSON schema of their arguments and
-a function of the same signature as `crop`.
+Every tool is registered in `TOOLS` by name. The visual operations beyond the crop (segment, properties, read
+text, rotate, select frames, track: `loupe.visual_ops`) register with `operation`, which types their arguments
+with a pydantic model, and give back a `ToolResult`: new images (`NewImage`, each an image of its own that a
+later crop cuts from), a text observation, or both.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from PIL import Image
+from pydantic import BaseModel, ValidationError
 
 from loupe.images import DEFAULT_MAX_DECODE_PIXELS, MAX_ASPECT_RATIO, ImageError, open_image  # noqa: F401 (re-exported)
 from loupe.protocol import ORIGINAL_IMAGE, ToolCall
@@ -147,9 +150,12 @@ class CropResult:
     """The box on the named source, in that source's pixels, clamped and rounded outwards (what the model
     pointed at on the image it was shown)."""
     region: tuple[float, float, float, float]
-    """The box composed onto the original, in its pixels (floats): what the observation shows."""
+    """The box composed onto the source's base (the original, unless the source is an image of its own such as
+    a rotated view), in its pixels (floats): what the observation shows."""
     region_px: tuple[int, int, int, int]
-    """The pixels of the original that were cut: `region` rounded outwards."""
+    """The pixels of the base that were cut: `region` rounded outwards."""
+    base: int = 0
+    """The image `region` is on: 0 for the original, N for observation N when it is an image of its own."""
 
 
 @dataclass
@@ -165,7 +171,16 @@ class ImageSession:
     original: Image.Image | None = None
     observations: list[Image.Image] = field(default_factory=list)
     regions: list[tuple[float, float, float, float]] = field(default_factory=list)
-    """Per observation, the box of the original it shows, in the original's pixels (`CropResult.region`)."""
+    """Per observation, the box of its base it shows, in the base's pixels (`CropResult.region`)."""
+    bases: list[int] = field(default_factory=list)
+    """Per observation, the image its region is on: 0 for the original, N for observation N when that
+    observation is an image of its own (a rotated view, a video frame: `add_image`) rather than a region."""
+    fulls: dict[int, Image.Image] = field(default_factory=dict)
+    """Observation N's full-resolution pixels when it is an image of its own (what a crop of it cuts)."""
+    frames: list[Image.Image] = field(default_factory=list)
+    """A video task's frames (`loupe.video.read_clip`), at the resolution they were decoded."""
+    masks: list[tuple[str, Any]] = field(default_factory=list)
+    """Segmented objects so far, `mask_N` in order: (the source it was found on, a boolean array of its pixels)."""
     image_root: Path | None = None
     max_decode_pixels: int = DEFAULT_MAX_DECODE_PIXELS
     shown_original: Image.Image | None = None
@@ -192,7 +207,7 @@ class ImageSession:
         return self.shown_original
 
     def region(self, source: str) -> tuple[float, float, float, float] | None:
-        """The box of the original that the named source shows, in its pixels; None for an unknown source."""
+        """The box of its base that the named source shows, in the base's pixels; None for an unknown source."""
         number = self._number(source)
         if number is None:
             return None
@@ -201,11 +216,31 @@ class ImageSession:
             return None if original is None else (0.0, 0.0, float(original.width), float(original.height))
         return self.regions[number - 1]
 
-    def add_observation(self, image: Image.Image, region: tuple[float, float, float, float]) -> str:
-        """Keep a crop as the next observation, with the box of the original it shows; returns its name."""
+    def base_of(self, source: str) -> int | None:
+        """Which image the named source's region is on (0: the original; N: observation N's own pixels)."""
+        number = self._number(source)
+        if number is None or number == 0:
+            return number
+        return self.bases[number - 1]
+
+    def base_image(self, base: int) -> Image.Image | None:
+        """The full-resolution pixels of a base: the original, or an observation that is an image of its own."""
+        return self._original() if base == 0 else self.fulls[base]
+
+    def add_observation(self, image: Image.Image, region: tuple[float, float, float, float], base: int = 0) -> str:
+        """Keep a crop as the next observation, with the box of its base it shows; returns its name."""
         self.observations.append(image)
         self.regions.append(tuple(float(v) for v in region))  # type: ignore[arg-type]
+        self.bases.append(base)
         return f"observation_{len(self.observations)}"
+
+    def add_image(self, image: Image.Image, full: Image.Image | None = None) -> str:
+        """Keep an image of its own (a rotated view, a frame) as the next observation: shown as `image`, cut
+        from `full` (its full-resolution pixels, `image` itself when not given); returns its name."""
+        full = image if full is None else full
+        number = len(self.observations) + 1
+        self.fulls[number] = full
+        return self.add_observation(image, (0.0, 0.0, float(full.width), float(full.height)), base=number)
 
     def _number(self, source: str) -> int | None:
         """0 for the original, N for an existing observation N, None for anything else."""
@@ -330,25 +365,54 @@ def crop(session: ImageSession, arguments: dict[str, Any], budget: PixelBudget) 
     if new_h * new_w > crops.max_pixels:
         # Only extreme aspect ratios get here: the short side cannot go under one factor.
         return ToolError(ToolErrorKind.DEGENERATE_BOX, f"the {cut_w}x{cut_h} px box is too thin for the pixel budget")
+    base = session.base_of(source)
+    assert base is not None  # the source exists
     if budget.crop_cut == "shown":
         region = image.crop(box_px)  # type: ignore[union-attr]
     else:
-        original = session.get(ORIGINAL_IMAGE)
-        assert original is not None  # the source exists, so the original it was cut from does
-        region = original.crop((left, top, right, bottom))
+        pixels = session.base_image(base)
+        assert pixels is not None  # the source exists, so the image it was cut from does
+        region = pixels.crop((left, top, right, bottom))
     if region.size != (new_w, new_h):
         region = region.resize((new_w, new_h), Image.Resampling.BICUBIC)
     return CropResult(image=region, source=source, box_px=box_px, region=composed,
-                      region_px=(left, top, right, bottom))
+                      region_px=(left, top, right, bottom), base=base)
+
+
+@dataclass(frozen=True)
+class NewImage:
+    """An image a tool shows the model as a new observation that is an image of its own (not a region of its
+    source): a rotated view, a segmented object, a video frame. A later crop of it cuts `full`."""
+
+    image: Image.Image
+    """As shown to the model (already within the crops' pixel budget)."""
+    full: Image.Image | None = None
+    """Its full-resolution pixels, which a crop of it cuts; `image` itself when not given."""
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """What an operation other than the crop gives back: new images, a text observation, or both."""
+
+    images: tuple[NewImage, ...] = ()
+    text: str | None = None
+    """What the operation tells the model in words (found text, an object's properties, a track)."""
+    record: dict[str, Any] = field(default_factory=dict)
+    """The call's outcome as data, recorded on the observation turn (`Turn.tool`) for the viewer and rewards."""
+
+
+ToolRun = Callable[[ImageSession, dict[str, Any], PixelBudget], "CropResult | ToolResult | ToolError"]
 
 
 @dataclass(frozen=True)
 class Tool:
-    """A registered tool: its name, a JSON schema of its arguments, and the function that runs it."""
+    """A registered tool: its name, a JSON schema of its arguments, the function that runs it, and a line the
+    model's tool list can show."""
 
     name: str
     schema: dict[str, Any]
-    run: Callable[[ImageSession, dict[str, Any], PixelBudget], CropResult | ToolError]
+    run: ToolRun
+    description: str = ""
 
 
 CROP_SCHEMA = {
@@ -365,26 +429,46 @@ TOOLS: dict[str, Tool] = {}
 
 
 def register_tool(tool: Tool) -> Tool:
+    """Add a tool under its name; a second tool of the same name is refused (rename yours)."""
     if tool.name in TOOLS:
         raise ValueError(f"tool {tool.name!r} is already registered")
     TOOLS[tool.name] = tool
     return tool
 
 
-register_tool(Tool("crop", CROP_SCHEMA, crop))
+def validation_detail(error: ValidationError) -> str:
+    """A pydantic error in the words the model reads: each bad argument named with what was wrong."""
+    parts = []
+    for item in error.errors()[:4]:
+        where = ".".join(str(p) for p in item["loc"]) or "arguments"
+        parts.append(f"{where!r}: {item['msg']}")
+    return "; ".join(parts)
 
 
-def select_frames(session: ImageSession, arguments: dict[str, Any], budget: PixelBudget) -> CropResult | ToolError:
-    """Pixel-Reasoner's frame picker, offered in its prompt beside the crop: a dialogue about images has no frames
-    to pick, so it fails, as upstream's `execute_tool` does on an image (experience_maker.py)."""
-    return ToolError(ToolErrorKind.BAD_ARGUMENTS, "select_frames picks frames of a video, and this dialogue holds "
-                                                  "images; use crop_image_normalized to look closer at an image")
+def operation(name: str, arguments: type[BaseModel], description: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register a function `fn(session, args, budget)` as the tool `name`, its arguments typed by the pydantic
+    model `arguments`: a call whose arguments do not validate gets a `bad_arguments` error naming each bad
+    field, and `fn` receives a validated `arguments` instance. This is how a user adds an operation
+    (docs/tools.md, "Adding an operation")."""
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def run(session: ImageSession, raw: dict[str, Any], budget: PixelBudget) -> CropResult | ToolResult | ToolError:
+            try:
+                args = arguments.model_validate(raw)
+            except ValidationError as error:
+                return ToolError(ToolErrorKind.BAD_ARGUMENTS, validation_detail(error))
+            return fn(session, args, budget)
+
+        register_tool(Tool(name, arguments.model_json_schema(), run, description))
+        return fn
+
+    return wrap
 
 
-register_tool(Tool("select_frames", {"type": "object", "properties": {"target_frames": {"type": "array"}}}, select_frames))
+register_tool(Tool("crop", CROP_SCHEMA, crop, "cut a box of an image and show it at the crops' resolution"))
 
 
-def run_tool(call: ToolCall, session: ImageSession, budget: PixelBudget) -> CropResult | ToolError:
+def run_tool(call: ToolCall, session: ImageSession, budget: PixelBudget) -> CropResult | ToolResult | ToolError:
     """Run a parsed call; a bad request comes back as a ToolError, never an exception."""
     tool = TOOLS.get(call.tool)
     if tool is None:

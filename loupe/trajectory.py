@@ -56,6 +56,9 @@ class Turn:
     crop: dict[str, Any] | None = None
     """Observation turns: {'source': name, 'source_image': index, 'box_px': [x0, y0, x1, y1] on the source,
     'region_px': [x0, y0, x1, y1] on the original (the pixels cut), 'size': [w, h], 'observation': N}."""
+    tool: dict[str, Any] | None = None
+    """Observation turns of a visual operation other than the crop (`loupe.visual_ops`): {'tool': name,
+    'observations': [N, ...] (the observations its images became), 'text': what it said, ...its record}."""
     num_tokens: int = 0
     """Tokens this turn occupies in the model's context (generated tokens for assistant turns)."""
 

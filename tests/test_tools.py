@@ -677,8 +677,8 @@ def test_a_parsed_deepeyes_call_runs_through_run_tool(square_image):
     assert all(near(c, BLUE) for _, c in result.image.getcolors(1 << 16))
 
 
-def rotate(session: ImageSession, arguments: dict, budget: PixelBudget) -> CropResult | ToolError:
-    """A test-only tool: rotate a source by a multiple of 90 degrees."""
+def quarter_turn(session: ImageSession, arguments: dict, budget: PixelBudget) -> CropResult | ToolError:
+    """A test-only tool registered by hand (no pydantic model): rotate a source by a multiple of 90 degrees."""
     source = arguments.get("source", ORIGINAL_IMAGE)
     image = session.get(source)
     if image is None:
@@ -693,24 +693,24 @@ def rotate(session: ImageSession, arguments: dict, budget: PixelBudget) -> CropR
 
 
 @pytest.fixture
-def rotate_tool():
-    tool = register_tool(Tool("rotate", {"type": "object", "properties": {"angle": {"enum": [90, 180, 270]}},
-                                         "required": ["angle"]}, rotate))
+def quarter_turn_tool():
+    tool = register_tool(Tool("quarter_turn", {"type": "object", "properties": {"angle": {"enum": [90, 180, 270]}},
+                                         "required": ["angle"]}, quarter_turn))
     yield tool
-    TOOLS.pop("rotate", None)
+    TOOLS.pop("quarter_turn", None)
 
 
-def test_a_new_tool_registers_and_runs_through_run_tool(rotate_tool, noise):
-    assert TOOLS["rotate"] is rotate_tool
+def test_a_new_tool_registers_and_runs_through_run_tool(quarter_turn_tool, noise):
+    assert TOOLS["quarter_turn"] is quarter_turn_tool
     session = ImageSession(original=noise)
-    result = run_tool(ToolCall("rotate", {"angle": 90}), session, NO_RESIZE)
+    result = run_tool(ToolCall("quarter_turn", {"angle": 90}), session, NO_RESIZE)
     assert isinstance(result, CropResult)
     assert result.image.size == (896, 1120)
     assert result.image.tobytes() == noise.transpose(Image.Transpose.ROTATE_90).tobytes()
-    refused = run_tool(ToolCall("rotate", {"angle": 45}), session, NO_RESIZE)
+    refused = run_tool(ToolCall("quarter_turn", {"angle": 45}), session, NO_RESIZE)
     assert isinstance(refused, ToolError) and refused.kind == ToolErrorKind.BAD_ARGUMENTS
     unknown = run_tool(ToolCall("segment", {}), session, NO_RESIZE)
-    assert "rotate" in unknown.detail  # the error lists every registered tool
+    assert "quarter_turn" in unknown.detail  # the error lists every registered tool
 
 
 

@@ -83,6 +83,11 @@ class TaskRecord(BaseModel):
     """A benchmark's category, for per-category accuracy."""
     bbox: list[float] | None = None
     """Ground-truth target box, relative [x0, y0, x1, y1] on the first image, when known."""
+    video: str | None = None
+    """A clip the question is about, relative to the base directory: a video file (decoded with PyAV) or a
+    folder of frame images. The rollout samples at most `protocol.video_max_frames` frames evenly over it
+    (`loupe.video.read_clip`) and shows them as the question's images, one placeholder each, so a video task
+    lists no `images` and its `problem` holds no placeholder; `select_frames` and `track_object` work on them."""
 
     @field_validator("bbox")
     @classmethod
@@ -101,11 +106,24 @@ class TaskRecord(BaseModel):
         # exactly one per image as it is (Mini-o3's records start with "<image>\n"); any other count cannot be
         # matched to the images.
         found = self.problem.count(IMAGE_PLACEHOLDER)
-        if found not in (0, len(self.images)):
+        if found not in (0, len(self.images)) and self.video is None:  # a video's frames: its own check
             raise ValueError(f"problem: holds {found} {IMAGE_PLACEHOLDER} placeholders for {len(self.images)} images; "
                              "give none (one per image is added) or exactly one per image")
         if any(IMAGE_PLACEHOLDER in option for option in self.options or []):
             raise ValueError(f"options: an option may not hold the image placeholder {IMAGE_PLACEHOLDER}")
+        return self
+
+    @model_validator(mode="after")
+    def _a_video_task_shows_its_frames(self) -> "TaskRecord":
+        if self.video is None:
+            return self
+        if not self.video.strip():
+            raise ValueError("video: an empty path")
+        if self.images:
+            raise ValueError("video: a video task shows its sampled frames as its images; list no 'images'")
+        if IMAGE_PLACEHOLDER in self.problem:
+            raise ValueError(f"problem: a video task's frame count is known only once it is read; give no "
+                             f"{IMAGE_PLACEHOLDER} placeholder (one per frame is added)")
         return self
 
     @model_validator(mode="after")

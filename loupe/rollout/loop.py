@@ -2,7 +2,7 @@
 
 Every trajectory advances on its own: its next assistant turn is handed to the engine, and when it comes back
 it is parsed by the protocol: an answer ends the trajectory; a tool call runs the tool and the
-crop comes back as a user turn; a malformed call or a refused box comes back as an error message, until the
+crop (or a visual operation's images and text, `loupe.visual_ops`) comes back as a user turn; a malformed call or a refused box comes back as an error message, until the
 retries run out. Limits end a trajectory as `over_turn`: the turn limit with a call still pending, the image
 limit, or a context that could not fit another turn.
 """
@@ -22,8 +22,10 @@ from loupe.config import ProtocolParams
 from loupe.data.tasks import TaskRecord
 from loupe.protocol import Protocol, make_protocol
 from loupe.rollout.engine import Engine
-from loupe.tools import CropResult, ImageSession, fit_to_budget, open_image, run_tool
+from loupe import visual_ops  # noqa: F401 (registers the visual operations beyond the crop)
+from loupe.tools import CropResult, ImageSession, ToolResult, fit_to_budget, open_image, run_tool
 from loupe.trajectory import Trajectory, Turn
+from loupe.video import read_clip
 
 
 @dataclass
@@ -76,8 +78,17 @@ class Rollout:
         protocol, protocol_params, engine = self.protocol, self.protocol_params, self.engine
         for task in self.tasks:
             # Decoded once per task: its samples share the original and the downscaled copy the model sees.
-            originals = [open_image(p, image_root, protocol_params.max_decode_pixels) for p in task.images]
-            shown = [fit_to_budget(img, protocol_params.budget) for img in originals]
+            prompt_task, frames = task, []
+            if task.video is not None:
+                # A video's sampled frames are its images: one placeholder each in the question.
+                frames = read_clip(task.video, image_root, protocol_params.video_max_frames,
+                                   protocol_params.max_decode_pixels)
+                originals = frames
+                shown = [fit_to_budget(img, protocol_params.frame_budget(len(frames))) for img in frames]
+                prompt_task = task.model_copy(update={"images": [f"{task.video}#{n}" for n in range(1, len(frames) + 1)]})
+            else:
+                originals = [open_image(p, image_root, protocol_params.max_decode_pixels) for p in task.images]
+                shown = [fit_to_budget(img, protocol_params.budget) for img in originals]
             for k in range(samples_per_task):
                 trajectory = Trajectory(
                     traj_id=f"{task.doc_id}#{k}",
@@ -87,16 +98,19 @@ class Rollout:
                     sample_index=k,
                     meta={"engine": engine.name},
                 )
-                question = protocol.question_text(task)
-                # Absolute but not resolved: a hub-cache file is a symlink to a blob with no image suffix.
-                indices = [trajectory.add_image(Path(os.path.abspath(image_root / p))) for p in task.images]
+                question = protocol.question_text(prompt_task)
+                if frames:  # written beside the trajectory as the model saw them, like crops
+                    indices = [trajectory.add_image(frame) for frame in shown]
+                else:
+                    # Absolute but not resolved: a hub-cache file is a symlink to a blob with no image suffix.
+                    indices = [trajectory.add_image(Path(os.path.abspath(image_root / p))) for p in task.images]
                 trajectory.turns.append(Turn("user", question, images=indices))
                 state = engine.begin(trajectory.system, question, shown)
                 trajectory.prompt_tokens = engine.context_length(state)
                 trajectory.turns[0].num_tokens = trajectory.prompt_tokens
                 # A text-only task has no original: a crop call gets the tool's "no such source" error back.
                 session = ImageSession(original=originals[0] if originals else None,
-                                       shown_original=shown[0] if shown else None)
+                                       shown_original=shown[0] if shown else None, frames=frames)
                 item = _Live(trajectory, session, state, protocol_params.format_error_retries)
                 if trajectory.prompt_tokens + self.max_new_tokens > protocol_params.max_context_tokens:
                     self._finish(item, "over_turn")
@@ -204,6 +218,8 @@ def _take_turn(
         result = run_tool(action.call, session, protocol_params.budget)
         if isinstance(result, CropResult):
             return _add_observation(item, result, protocol, protocol_params, engine, max_new_tokens)
+        if isinstance(result, ToolResult):
+            return _add_tool_result(item, result, action.call.tool, protocol, protocol_params, engine, max_new_tokens)
         error_kind, detail = result.kind.value, result.detail
     else:
         assert action.error is not None
@@ -231,7 +247,7 @@ def _add_observation(
     max_new_tokens: int,
 ) -> str | None:
     trajectory = item.trajectory
-    name = item.session.add_observation(result.image, result.region)
+    name = item.session.add_observation(result.image, result.region, base=result.base)
     number = int(name.rsplit("_", 1)[1])
     source_index = 0 if result.source == "original_image" else _observation_image_index(trajectory, result.source)
     index = trajectory.add_image(result.image)
@@ -252,6 +268,31 @@ def _add_observation(
         )
     )
     return _append_user(item, text, [result.image], engine, protocol_params, max_new_tokens)
+
+
+def _add_tool_result(
+    item: _Live,
+    result: ToolResult,
+    tool: str,
+    protocol: Protocol,
+    protocol_params: ProtocolParams,
+    engine: Engine,
+    max_new_tokens: int,
+) -> str | None:
+    """Show a visual operation's outcome: its new images, each an observation of its own, and its text."""
+    trajectory = item.trajectory
+    if len(trajectory.images) + len(result.images) > protocol_params.max_images:
+        return "over_turn"
+    numbers, indices, shown = [], [], []
+    for new in result.images:
+        name = item.session.add_image(new.image, new.full)
+        numbers.append(int(name.rsplit("_", 1)[1]))
+        indices.append(trajectory.add_image(new.image))
+        shown.append(new.image)
+    text = protocol.tool_result_turn(numbers, [image.size for image in shown], result.text)
+    trajectory.turns.append(Turn("user", text, images=indices,
+                                 tool={"tool": tool, "observations": numbers, "text": result.text, **result.record}))
+    return _append_user(item, text, shown, engine, protocol_params, max_new_tokens)
 
 
 def _observation_image_index(trajectory: Trajectory, source: str) -> int:
