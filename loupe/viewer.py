@@ -9,7 +9,8 @@ Images are downscaled JPEG thumbnails embedded as base64, each distinct image on
 shared by K samples of a task is encoded once): each is defined once as an SVG `<image>` in a hidden sprite
 and shown wherever needed through `<use href="#id">`. Every figure is an SVG whose viewBox is the thumbnail's
 size, so boxes are drawn as `<rect>`s in thumbnail coordinates (source pixels times the thumbnail's scale):
-- on an observation's source image, the crop's `box_px` (orange);
+- on an observation's source image, the crop's `box_px` (orange); a visual operation's turn (`Turn.tool`: a mask,
+  found text, a track) shows what it returned beside its images;
 - on the original, every box the model looked at, mapped back through chains of crops (blue, numbered);
 - the task's ground-truth `bbox` (green) on the original, and on crops wherever it is in view.
 Nothing is fetched from outside the file, so it works offline from file://.
@@ -236,6 +237,12 @@ class _TrajectoryRenderer:
             source_index = crop.get("source_image", -1)
             boxes = [("crop", tuple(box), str(crop.get("observation", "")))] if box else []
             figures.append(self.figure(source_index, f"source {crop.get('source')} (image #{source_index}), box_px {box}", boxes))
+        elif turn.tool:
+            tool = turn.tool
+            shown = {k: v for k, v in tool.items() if k not in ("tool", "observations", "text")}
+            parts.append(f'<div class="call">{_esc(tool.get("tool"))} returned: {_esc(_short(json.dumps(shown), 400))}</div>')
+            figures += [self.figure(i, f"observation {n} (image #{i}) from {tool.get('tool')}")
+                        for i, n in zip(turn.images, tool.get("observations", []))]
         else:
             for i in turn.images:
                 # The original doubles as an overview: where the model looked, across all its zooms.
@@ -244,6 +251,7 @@ class _TrajectoryRenderer:
         if figures:
             parts.append(f'<div class="shots">{"".join(figures)}</div>')
         label = turn.role + (f" · {turn.action}" if turn.action else "") + (" · observation" if turn.crop else "")
+        label += f" · {turn.tool['tool']}" if turn.tool else ""
         error_class = " error" if turn.error else ""
         return (
             f'<div class="turn {_esc(turn.role)}{error_class}"><div class="role">#{number} {_esc(label)}'
