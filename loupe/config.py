@@ -67,7 +67,8 @@ class ProtocolParams(Section):
     name: str = "mini_o3"
     """Protocol variant (loupe.protocol.PROTOCOLS): mini_o3 (Mini-o3's grammar and its own prompt strings), loupe
     (the same grammar in Loupe's wording), deepeyes, pixel_reasoner (its `<tool_call>` JSON and `\\boxed{}`
-    answers), single_turn or boxed."""
+    answers), pixelis (every visual operation, `SEGMENT_OBJECT_AT(x=.., y=..)` calls: loupe/visual_ops.py),
+    single_turn or boxed."""
     min_pixels: int = Field(3136, gt=0)
     """Smallest area (px) of an image shown to the model; crops are scaled up to it. Mini-o3: 40,000."""
     max_pixels: int = Field(50176, gt=0)

@@ -299,6 +299,10 @@ def _observation_image_index(trajectory: Trajectory, source: str) -> int:
     for turn in trajectory.turns:
         if turn.crop is not None and f"observation_{turn.crop['observation']}" == source:
             return turn.images[0]
+        if turn.tool is not None:  # a visual operation's images: observations of their own
+            for image, number in zip(turn.images, turn.tool.get("observations", [])):
+                if f"observation_{number}" == source:
+                    return image
     raise KeyError(source)  # the tool found the source, so the trajectory has it
 
 
