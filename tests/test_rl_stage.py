@@ -431,3 +431,22 @@ def test_validation_samples_at_its_own_temperature_and_training_keeps_its_own(mo
     worker.rollout([task], 2, seed=0, max_turns=2, max_new_tokens=4, temperature=0.5)
     worker.rollout([task], 2, seed=0, max_turns=2, max_new_tokens=4)
     assert seen == [0.5, 1.0] and engine.temperature == 1.0
+
+
+def test_pixelis_reward_shapes_the_stage_and_its_curiosity_module_resumes(tiny_model_dir, toy_dir, tmp_path, monkeypatch):
+    """rl.pixelis replaces each total with Pixelis' combined reward; its curiosity module and running statistics
+    live in each checkpoint, so a run that crashes after step 2 ends where a run that never stopped does."""
+    pixelis = {"enabled": True, "curriculum": [{"step": 0, "weights": {"task": 1.0}},
+                                               {"step": 3, "weights": {"coherence": 0.2, "curiosity": 0.3}}]}
+    params = write_params(tmp_path / "params.yaml", {"steps": 4, "checkpoint_every": 2, "pixelis": pixelis})
+    _train(params, tiny_model_dir, toy_dir, tmp_path / "straight")
+    real_step = _crash_at_step_3(params, tiny_model_dir, toy_dir, tmp_path / "resumed", monkeypatch)
+    assert (tmp_path / "resumed" / "checkpoints" / "step_000002" / "pixelis.pt").is_file()
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+    _train(params, tiny_model_dir, toy_dir, tmp_path / "resumed")
+    _assert_same_weights(_weights(tmp_path / "straight" / "model"), _weights(tmp_path / "resumed" / "model"))
+    straight, resumed = _rows(tmp_path / "straight"), _rows(tmp_path / "resumed")
+    assert [r.get("reward/mean") for r in straight] == [r.get("reward/mean") for r in resumed]
+    for key in ("reward/pixelis_coherence", "reward/pixelis_tool_penalty", "reward/pixelis_curiosity_raw"):
+        assert [r.get(key) for r in straight] == [r.get(key) for r in resumed], key
+        assert all(isinstance(r.get(key), float) for r in straight), key

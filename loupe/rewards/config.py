@@ -92,7 +92,7 @@ class RewardConfig(BaseModel):
     free_tool_calls: int = Field(default=0, ge=0)
     """Tool calls that cost nothing before `tool_call_penalty` applies."""
     free_form_match: Literal["exact", "judge", "math", "mathruler", "r1v", "lmm_r1", "deepeyes", "deepeyes_math",
-                             "deepeyes_common", "mini_o3", "pixel_reasoner"] = "exact"
+                             "deepeyes_common", "mini_o3", "pixel_reasoner", "pixelis"] = "exact"
     """Free-form answers: normalised exact match only; exact match then the LLM judge for the rest; or `math`,
     equal by value through math-verify (`\\frac{1}{2}` = 0.5, `\\boxed{60}` = 60), then exact match
     (`loupe.rewards.math_grading.math_equal`: R1-V's, LMM-R1's and Pixel-Reasoner's verifier); or `mathruler`,
@@ -109,7 +109,9 @@ class RewardConfig(BaseModel):
     `mini_o3`, Mini-o3's: the judge on the first `<answer>` across the assistant turns, for every task, choice
     included (`loupe.rewards.mini_o3`; needs `judge`); or `pixel_reasoner`, Pixel-Reasoner's rule on the whole
     decoded response, lowercased (`loupe.rewards.pixel_reasoner`): the last `\\boxed`, then `<answer>`, then
-    the whole text through math-verify, 1 / 0, and -1 when nothing in it parses."""
+    the whole text through math-verify, 1 / 0, and -1 when nothing in it parses; or `pixelis`, Pixelis' task
+    reward (`loupe.rewards.pixelis.task_reward`): 1 for the answer exactly as the solution is written, else half
+    their `difflib` similarity."""
     failed_last_call_zeroes: bool = False
     """A right answer scores 0 when the trajectory's last tool call failed, i.e. its last turn given back was an
     error (Pixel-Reasoner's `final_error_flags`: a broken visual operation the model did not mend)."""

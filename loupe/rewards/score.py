@@ -22,6 +22,7 @@ from loupe.rewards.lmm_r1 import lmm_r1_accuracy
 from loupe.rewards.math_grading import grade_answer, math_equal
 from loupe.rewards.mini_o3 import mini_o3_answer
 from loupe.rewards.parts import RewardParts
+from loupe.rewards.pixelis import task_reward as pixelis_task_reward
 from loupe.rewards.pixel_reasoner import pixel_reasoner_accuracy, pixel_reasoner_response
 from loupe.rewards.r1v import r1v_accuracy
 from loupe.rewards.text import exact_match
@@ -105,6 +106,9 @@ def score(
         accuracy, matched_by = float(grade_answer(extracted if extracted is not None else "None", task.solution)), "mathruler"
     elif end_reason != "answered" or not (answer or "").strip():
         accuracy, matched_by = 0.0, "no_answer"
+    elif cfg.free_form_match == "pixelis":  # the answer as written, else half its similarity (partial credit)
+        extracted = answer
+        accuracy, matched_by = pixelis_task_reward(answer, task.solution), "pixelis"
     elif task.is_choice:
         extracted = extract_choice(answer, task.options or [])
         accuracy, matched_by = float(extracted == task.solution), "letter"

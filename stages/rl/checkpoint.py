@@ -68,7 +68,7 @@ AHEAD_FILE = "ahead.pkl"
 
 def save_checkpoint(
     out_dir: Path, step: int, write_learner: Callable[[Path], None], state: dict[str, Any], keep: int = 2,
-    ahead: Any = None,
+    ahead: Any = None, extras: dict[str, bytes] | None = None,
 ) -> Path:
     """Write step `step`'s checkpoint atomically (`write_learner(folder)` writes the learner's shards; `ahead`,
     the next step's batch generated during this one, is kept beside them), then prune all but the newest `keep`."""
@@ -77,6 +77,8 @@ def save_checkpoint(
         write_learner(tmp / LEARNER_DIR)
         if ahead is not None:
             (tmp / AHEAD_FILE).write_bytes(pickle.dumps(ahead))
+        for name, data in (extras or {}).items():  # other stateful parts of the driver (rl.pixelis' module)
+            (tmp / name).write_bytes(data)
         torch.save(rng_state(), tmp / "rng.pt")
         atomic_write_json(tmp / STATE_FILE, {"step": step, **state})
     for old in list_checkpoints(out_dir)[:-keep]:

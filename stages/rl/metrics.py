@@ -46,8 +46,10 @@ def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float | None]:
         "rollout/over_turn_rate": reasons.get("over_turn", 0) / n,
         "rollout/trajectories": float(len(trajectories)),
     }
-    # Estimator-specific parts: DAPO's overlong punishment, remax's greedy baseline (absent otherwise).
-    for key in ("overlong_penalty", "greedy_baseline"):
+    # Estimator-specific parts: DAPO's overlong punishment, remax's greedy baseline, Pixelis' terms (rl.pixelis;
+    # absent otherwise).
+    for key in ("overlong_penalty", "greedy_baseline", "curiosity", "pixelis_task", "pixelis_curiosity",
+                "pixelis_coherence", "pixelis_tool_penalty", "pixelis_curiosity_raw", "pixelis_coherence_raw"):
         found = [float(r[key]) for r in rewards if r.get(key) is not None]
         if found:
             out[f"reward/{key}"] = _mean(found)

@@ -49,7 +49,11 @@ from stages.rl.cluster import absolute_params, absolute_path
 from stages.rl.loss import kl_estimate
 from stages.rl.metrics import MetricsLog, rollout_metrics, write_plots
 from stages.rl.params import RLParams
+from stages.rl.pixelis import PixelisShaper
 from stages.rl.shaping import curiosity_bonus, longest_turn, overlong_penalty, token_rewards
+
+PIXELIS_STATE = "pixelis.pt"
+"""rl.pixelis' curiosity module, its optimiser and running statistics, in each checkpoint."""
 
 VAL_SEED_TAG = 1_000_003
 """Mixed into the seed of validation rollouts so they never share a stream with training rollouts."""
@@ -255,6 +259,8 @@ class Trainer:
         self._ray_started = False
         self.ahead: RolloutAhead | None = None
         """With rl.overlap: the next step's first batch, started before this step's update."""
+        self.pixelis = PixelisShaper(self.params.pixelis, inputs.seed) if self.params.pixelis.enabled else None
+        """Pixelis' combined reward (rl.pixelis), stateful: its curiosity module learns as RL goes."""
 
     # --- set-up and tear-down -------------------------------------------------------------------------------
 
@@ -290,6 +296,8 @@ class Trainer:
             self.step = int(state["step"])
             self.stream.position = int(state["stream_position"])
             self.ahead = ckpt.load_ahead(found)
+            if self.pixelis is not None and (found / PIXELIS_STATE).is_file():
+                self.pixelis.load_bytes((found / PIXELIS_STATE).read_bytes())
             self.log.truncate(self.step)
             self.run.set_tags({"rl.resumed_from_step": self.step})
         else:
@@ -382,6 +390,8 @@ class Trainer:
         for t, rewards in zip(trajectories, self.reward.score(trajectories)):
             t.rewards = rewards
         self._shape(trajectories, group_size)
+        if self.pixelis is not None:
+            self.pixelis.shape(trajectories, self.step + 1)
         timing["reward"] += time.perf_counter() - started
         return trajectories
 
@@ -580,8 +590,9 @@ class Trainer:
 
     def _checkpoint(self, step: int) -> None:
         state = {"stream_position": self.stream.position, "seed": self.inputs.seed}
+        extras = {PIXELIS_STATE: self.pixelis.state_bytes()} if self.pixelis is not None else {}
         ckpt.save_checkpoint(self.out_dir, step, self.learner.save_checkpoint, state, self.params.keep_checkpoints,
-                             ahead=self.ahead)
+                             ahead=self.ahead, extras=extras)
 
     def _due(self, every: int, step: int) -> bool:
         return bool(every) and (step % every == 0 or step == self.params.steps)
