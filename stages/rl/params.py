@@ -150,6 +150,27 @@ class PixelisRewardParams(Section):
         return stages
 
 
+class TTRLParams(Section):
+    """Test-time RL (stages/rl/ttrl.py): unlabeled questions, pseudo-labels by vote, confidence-gated updates."""
+
+    enabled: bool = False
+    """Read the training questions without their solutions and reward agreement with the vote's label."""
+    strategy: Literal["weighted", "majority"] = "weighted"
+    """Pixelis' weighted vote (its default) or a plain majority (TTRL's) over the samples and neighbours."""
+    neighbours: int = Field(5, ge=0)
+    """Earlier questions retrieved from the experience buffer whose labels also vote (0: the samples alone)."""
+    min_similarity: float = Field(0.95, ge=-1, le=1)
+    """Only neighbours at least this cosine-similar vote: near-repeats of the question, not just alike ones."""
+    min_votes: int = Field(3, ge=1)
+    """Fewer votes than this: the first answer wins at half confidence (Pixelis' `min_votes_required` 3)."""
+    recency_steps: float = Field(24.0, gt=0)
+    """A neighbour's vote decays as exp(-age / recency_steps), age in RL steps (Pixelis: 24 hours)."""
+    confidence_gate: float = Field(0.5, ge=0, le=1)
+    """A group trains only when its vote's confidence reaches this (Pixelis' voting `confidence_threshold` 0.5)."""
+    buffer_size: int = Field(1024, ge=1)
+    """Pseudo-labelled questions kept for retrieval; the oldest leave first."""
+
+
 class CriticParams(Section):
     """The value model of `estimator: ppo` (stages/rl/critic.py): the policy's architecture with a scalar head on
     its last hidden state, trained on the same batches with its own AdamW and checkpointed beside the policy."""
@@ -260,6 +281,8 @@ class RLParams(Section):
     """DAPO's overlong filtering and soft punishment."""
     curiosity: CuriosityParams = CuriosityParams()
     """Pixel-Reasoner's curiosity bonus for tool use while the group rarely uses the tool."""
+    ttrl: TTRLParams = TTRLParams()
+    """Test-time RL on unlabeled questions (`train_split` names them, e.g. test)."""
     pixelis: PixelisRewardParams = PixelisRewardParams()
     """Pixelis' reward: curiosity and coherence brought in by a curriculum, tool-misuse penalties."""
     critic: CriticParams = CriticParams()

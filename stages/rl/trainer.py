@@ -50,8 +50,11 @@ from stages.rl.loss import kl_estimate
 from stages.rl.metrics import MetricsLog, rollout_metrics, write_plots
 from stages.rl.params import RLParams
 from stages.rl.pixelis import PixelisShaper
+from stages.rl.ttrl import TestTimeLabeler, unlabeled
 from stages.rl.shaping import curiosity_bonus, longest_turn, overlong_penalty, token_rewards
 
+TTRL_STATE = "ttrl_buffer.json"
+"""rl.ttrl's experience buffer, in each checkpoint."""
 PIXELIS_STATE = "pixelis.pt"
 """rl.pixelis' curiosity module, its optimiser and running statistics, in each checkpoint."""
 
@@ -154,6 +157,8 @@ def read_inputs(params_path: Path, model_path: Path, tasks_dir: Path, section: s
     train = read_tasks(train_file, check_images=True)
     if not train:
         raise ValueError(f"{train_file}: holds no task records; rl needs at least one training prompt")
+    if params.ttrl.enabled:
+        train = unlabeled(train)  # test-time RL never holds a label
     val: list[TaskRecord] = []
     if params.val_every:
         val_file = Path(tasks_dir) / f"{params.val_split}.jsonl"
@@ -260,6 +265,9 @@ class Trainer:
         self.ahead: RolloutAhead | None = None
         """With rl.overlap: the next step's first batch, started before this step's update."""
         self.pixelis = PixelisShaper(self.params.pixelis, inputs.seed) if self.params.pixelis.enabled else None
+        self.ttrl = TestTimeLabeler(self.params.ttrl) if self.params.ttrl.enabled else None
+        """Test-time RL (rl.ttrl): labels each group by vote, with an experience buffer of earlier votes."""
+        self.ttrl_figures: dict[str, float] = {}
         """Pixelis' combined reward (rl.pixelis), stateful: its curiosity module learns as RL goes."""
 
     # --- set-up and tear-down -------------------------------------------------------------------------------
@@ -298,6 +306,8 @@ class Trainer:
             self.ahead = ckpt.load_ahead(found)
             if self.pixelis is not None and (found / PIXELIS_STATE).is_file():
                 self.pixelis.load_bytes((found / PIXELIS_STATE).read_bytes())
+            if self.ttrl is not None and (found / TTRL_STATE).is_file():
+                self.ttrl.buffer.load(json.loads((found / TTRL_STATE).read_text()))
             self.log.truncate(self.step)
             self.run.set_tags({"rl.resumed_from_step": self.step})
         else:
@@ -387,7 +397,13 @@ class Trainer:
         timing["rollout"] += rollout_seconds
         timing["generated_tokens"] += generated_tokens
         started = time.perf_counter()
-        for t, rewards in zip(trajectories, self.reward.score(trajectories)):
+        scorable = trajectories
+        if self.ttrl is not None:  # test-time RL: pseudo-labels by vote; an unsure group is not trained
+            self.ttrl_figures = self.ttrl.label(trajectories, group_size, self.step + 1)
+            for k in self.ttrl.gated:
+                trajectories[k].rewards = {"total": None, "valid": False, "reason": "ttrl: the vote was unsure"}
+            scorable = [t for k, t in enumerate(trajectories) if k not in self.ttrl.gated]
+        for t, rewards in zip(scorable, self.reward.score(scorable) if scorable else []):
             t.rewards = rewards
         self._shape(trajectories, group_size)
         if self.pixelis is not None:
@@ -513,7 +529,7 @@ class Trainer:
         timing["update"] = (time.perf_counter() - update_started - timing.get("sync", 0.0)
                             - timing.get("ahead_wait", 0.0))
 
-        row: dict[str, Any] = {"step": step, "kind": "train", **rollout_metrics(everything)}
+        row: dict[str, Any] = {"step": step, "kind": "train", **rollout_metrics(everything), **self.ttrl_figures}
         row.update({f"update/{k}": v for k, v in update.items()})
         step_seconds = time.perf_counter() - started
         processed = sum(len(s) for s in trained) * p.ppo_epochs
@@ -591,6 +607,8 @@ class Trainer:
     def _checkpoint(self, step: int) -> None:
         state = {"stream_position": self.stream.position, "seed": self.inputs.seed}
         extras = {PIXELIS_STATE: self.pixelis.state_bytes()} if self.pixelis is not None else {}
+        if self.ttrl is not None:
+            extras[TTRL_STATE] = json.dumps(self.ttrl.buffer.state()).encode()
         ckpt.save_checkpoint(self.out_dir, step, self.learner.save_checkpoint, state, self.params.keep_checkpoints,
                              ahead=self.ahead, extras=extras)
 
