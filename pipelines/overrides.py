@@ -34,8 +34,7 @@ SECTIONS = {"model": ModelParams, "protocol": ProtocolParams, "rollout": Rollout
 def check_overrides(repo: Path, params_file: Path, overrides: list[str]) -> dict:
     """The merged params with `overrides` set, after validating every section they touch; raises ParamsError."""
     data = apply_overrides(read_recipe(repo, params_file), overrides, str(params_file))
-    rl_sections = {stage.section or stage.name for stage in parse_section(PipelineParams, data.get("pipeline"), "pipeline",
-                                                            str(params_file)).rl_stages}
+    rl_sections = set(parse_section(PipelineParams, data.get("pipeline"), "pipeline", str(params_file)).rl_sections)
     for text in overrides:
         section = parse_override(text)[0][0]
         if section == "seed":

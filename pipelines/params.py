@@ -54,6 +54,16 @@ class PipelineParams(Section):
     """The RL stages in order, each starting from the one before (the first from the SFT model, or from
     `model.path` without SFT); the last is `rl`, whose model the eval stage and the registry take."""
 
+    ttrl: bool = False
+    """After `rl`, a test-time RL stage `ttrl` (stages/rl/ttrl.py): the rl stage's code with the `ttrl` params
+    section (rl-shaped, with `ttrl.enabled: true` and `train_split` naming the unlabeled questions, e.g. test),
+    on `pipeline.tasks`, from rl's model; the eval stage compares its model beside the others."""
+
+    @property
+    def rl_sections(self) -> list[str]:
+        """Every params section an RL stage of this shape reads (rl-shaped sections)."""
+        return [stage.params_section for stage in self.rl_stages] + (["ttrl"] if self.ttrl else [])
+
     @model_validator(mode="after")
     def _last_stage_is_rl(self) -> "PipelineParams":
         names = [stage.name for stage in self.rl_stages]
@@ -67,4 +77,5 @@ class PipelineParams(Section):
     @property
     def default_shape(self) -> bool:
         """Whether the stages are the repository's dvc.yaml as written (synth, sft and one rl stage)."""
-        return self.sft and [s.model_dump() for s in self.rl_stages] == [RLStageParams().model_dump()]
+        return (self.sft and not self.ttrl
+                and [s.model_dump() for s in self.rl_stages] == [RLStageParams().model_dump()])

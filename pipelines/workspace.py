@@ -16,7 +16,7 @@ lists and values replaced), so a CPU twin starts from its recipe's GPU preset an
 the file changes on its base with a one-line reason why (`rl.steps: "40 steps fit a laptop"`; a key covers
 everything under it); it documents the file and is checked by tests/test_recipes.py, and no stage sees it.
 
-The shape (`pipeline.sft`, `pipeline.rl_stages`, `data.extra_families`) is applied to the repository's
+The shape (`pipeline.sft`, `pipeline.rl_stages`, `pipeline.ttrl`, `data.extra_families`) is applied to the repository's
 dvc.yaml rather than written anew, so every stage keeps its command, dependencies, parameters and outputs and
 the one dvc.yaml stays the reference: without SFT the synth and sft stages go and RL starts from
 `${model.path}`; each earlier RL stage is a copy of `rl` with its own name, section, task folder and output
@@ -93,6 +93,10 @@ def shaped_stages(spec: dict[str, Any], pipeline: PipelineParams, data: DataPara
         start = f"work/{rl.name}/model"
         models.append(rl.name)
 
+    if pipeline.ttrl:
+        stages["ttrl"] = _ttrl_stage(base["rl"], start)
+        models.append("ttrl")
+
     evaluate = base["eval"]
     cmd = _swap(evaluate["cmd"], "--model sft=work/sft/model --model rl=work/rl/model",
                 " ".join(f"--model {m}=work/{m}/model" for m in models[1:]))
@@ -115,6 +119,20 @@ def shaped_stages(spec: dict[str, Any], pipeline: PipelineParams, data: DataPara
             if isinstance(definition.get("y"), dict) and turn_scaling in definition["y"]:
                 definition["y"][turn_scaling] = models
     return spec
+
+
+def _ttrl_stage(rl: dict[str, Any], start: str) -> dict[str, Any]:
+    """The test-time RL stage: the rl stage's command with the `ttrl` section, from `start` (rl's model)."""
+    stage = copy.deepcopy(rl)
+    stage["cmd"] = _swap(_swap(stage["cmd"], "--model work/sft/model", f"--model {start}"), "--out work/rl",
+                         "--out work/ttrl") + " --section ttrl"
+    stage["deps"] = [start if d == "work/sft/model" else d for d in stage["deps"]]
+    stage["params"] = ["ttrl" if p == "rl" else p for p in stage["params"]]
+    for key in ("outs", "metrics", "plots"):
+        stage[key] = _rename_paths(stage.get(key, []), "work/rl/", "work/ttrl/")
+    stage["desc"] = (f"Test-time RL (params section ttrl): unlabeled questions of ${{pipeline.tasks}}, labels by vote, "
+                     f"from {start.split('/')[1]}'s model.")
+    return stage
 
 
 def merged(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:

@@ -171,6 +171,21 @@ def test_two_rl_stages_chain_with_their_own_data_and_section():
     assert "--model sft=work/sft/model --model rl_fre=work/rl_fre/model --model rl=work/rl/model" in stages["eval"]["cmd"]
 
 
+def test_a_test_time_rl_stage_follows_rl_and_is_evaluated_beside_it():
+    pipeline = PipelineParams(ttrl=True)
+    assert not pipeline.default_shape and pipeline.rl_sections == ["rl", "ttrl"]
+    spec = shaped_stages(SPEC, pipeline, DataParams())
+    stages = spec["stages"]
+    assert list(stages) == ["data", "synth", "sft", "rl", "ttrl", "eval"]
+    ttrl = stages["ttrl"]
+    assert ttrl["cmd"].endswith("--model work/rl/model --tasks ${pipeline.tasks} --out work/ttrl --section ttrl")
+    assert "work/rl/model" in ttrl["deps"] and "ttrl" in ttrl["params"] and "rl" not in ttrl["params"]
+    assert "work/ttrl/model" in ttrl["outs"] and {"work/ttrl/checkpoints": {"cache": False}} in ttrl["outs"]
+    assert "--model rl=work/rl/model --model ttrl=work/ttrl/model" in stages["eval"]["cmd"]
+    assert "work/ttrl/model" in stages["eval"]["deps"] and "work/eval/ttrl" in stages["eval"]["outs"]
+    assert spec["plots"][0]["eval_turn_scaling"]["y"]["work/eval/plots/turn_scaling.json"] == ["base", "sft", "rl", "ttrl"]
+
+
 def test_the_last_rl_stage_is_rl():
     with pytest.raises(ValueError, match="must be named rl"):
         PipelineParams(rl_stages=[{"name": "rl"}, {"name": "rl_second"}])
