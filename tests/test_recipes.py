@@ -22,7 +22,7 @@ from stages.synth.params import SynthParams
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = sorted(p for p in (ROOT / "params").glob("*.yaml"))
-RECIPES = ("r1-v", "lmm-r1", "easyr1-geo", "deepeyes", "pixel-reasoner", "mini-o3")
+RECIPES = ("r1-v", "lmm-r1", "easyr1-geo", "deepeyes", "pixel-reasoner", "mini-o3", "pixelis")
 SECTIONS = {"model": ModelParams, "protocol": ProtocolParams, "rollout": RolloutParams, "data": DataParams,
             "synth": SynthParams, "sft": SftParams, "rl": RLParams, "eval": EvalParams, "pipeline": PipelineParams}
 
@@ -40,9 +40,9 @@ def test_presets_validate_against_every_section(preset, monkeypatch):
     for name, model in SECTIONS.items():
         parse_section(model, recipe.get(name), name, str(preset))
     pipeline = parse_section(PipelineParams, recipe.get("pipeline"), "pipeline", str(preset))
-    for stage in pipeline.rl_stages:  # an earlier RL stage reads its own section
-        parse_section(RLParams, recipe.get(stage.params_section), stage.params_section, str(preset))
-    assert not set(recipe) - set(SECTIONS) - {"seed"} - {s.params_section for s in pipeline.rl_stages}, \
+    for section in pipeline.rl_sections:  # an earlier RL stage, or test-time RL, reads its own section
+        parse_section(RLParams, recipe.get(section), section, str(preset))
+    assert not set(recipe) - set(SECTIONS) - {"seed"} - set(pipeline.rl_sections), \
         "a section no stage reads"
 
 
