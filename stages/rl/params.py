@@ -158,16 +158,17 @@ class TTRLParams(Section):
     strategy: Literal["weighted", "majority"] = "weighted"
     """Pixelis' weighted vote (its default) or a plain majority (TTRL's) over the samples and neighbours."""
     neighbours: int = Field(5, ge=0)
-    """Earlier questions retrieved from the experience buffer whose labels also vote (0: the samples alone)."""
+    """Earlier questions retrieved from the experience buffer whose labels also vote (0: the samples alone;
+    Pixelis' `k_neighbors` 5)."""
     min_similarity: float = Field(0.95, ge=-1, le=1)
     """Only neighbours at least this cosine-similar vote: near-repeats of the question, not just alike ones."""
     min_votes: int = Field(3, ge=1)
     """Fewer votes than this: the first answer wins at half confidence (Pixelis' `min_votes_required` 3)."""
     recency_steps: float = Field(24.0, gt=0)
     """A neighbour's vote decays as exp(-age / recency_steps), age in RL steps (Pixelis: 24 hours)."""
-    confidence_gate: float = Field(0.5, ge=0, le=1)
-    """A group trains only when its vote's confidence reaches this (Pixelis' voting `confidence_threshold` 0.5)."""
-    buffer_size: int = Field(1024, ge=1)
+    confidence_gate: float = Field(0.7, ge=0, le=1)
+    """A group trains only when its vote's confidence reaches this (Pixelis' engine: 0.7)."""
+    buffer_size: int = Field(10000, ge=1)
     """Pseudo-labelled questions kept for retrieval; the oldest leave first."""
 
 

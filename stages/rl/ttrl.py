@@ -9,7 +9,8 @@ solutions replaced (`UNLABELED`), and the eval stage measures the adapted model 
 Upstream:
 - TTRL (PRIME-RL/TTRL, arXiv 2504.16084, on verl): K samples, the majority answer as the pseudo-label, reward 1
   for a sample that agrees with it and 0 otherwise.
-- Pixelis (ClayKa/Pixelis @ 08a98fe): `core/modules/voting.py`, `TemporalEnsembleVoting` (strategy `weighted`,
+- Pixelis (ClayKa/Pixelis @ 08a98fe and 991bb06): `core/engine/inference_engine.py` (k 5 neighbours, an update
+  when the vote's confidence reaches 0.7), `core/modules/voting.py`, `TemporalEnsembleVoting` (strategy `weighted`,
   `min_votes_required` 3; a neighbour's vote weighs its confidence times a recency factor exp(-age / 24 h);
   with fewer votes than required the first answer wins at half confidence; the weighted winner's confidence is
   its share of the weight times an agreement factor, `_calculate_agreement_factor`), `core/modules/
