@@ -14,7 +14,7 @@ from stages.rl.ttrl import (
     UNLABELED,
     Experience,
     ExperienceBuffer,
-    TestTimeLabeler,
+    PseudoLabeler,
     agreement_factor,
     normalised_answer,
     unlabeled,
@@ -81,7 +81,7 @@ def test_the_labeler_writes_labels_and_gates_unsure_groups():
     params = RLParams.model_validate({"ttrl": {"enabled": True, "confidence_gate": 0.6}}).ttrl
     sure = [sample(a, "q1") for a in ("red", "red", "red", "red")]
     unsure = [sample(a, "q2") for a in ("red", "blue", "green", "yellow")]
-    labeler = TestTimeLabeler(params)
+    labeler = PseudoLabeler(params)
     figures = labeler.label(sure + unsure, group_size=4, step=1)
     assert all(t.task["solution"] == "red" for t in sure)
     assert all(t.task["solution"] == UNLABELED for t in unsure) and labeler.gated == {4, 5, 6, 7}

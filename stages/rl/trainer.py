@@ -50,7 +50,7 @@ from stages.rl.loss import kl_estimate
 from stages.rl.metrics import MetricsLog, rollout_metrics, write_plots
 from stages.rl.params import RLParams
 from stages.rl.pixelis import PixelisShaper
-from stages.rl.ttrl import TestTimeLabeler, unlabeled
+from stages.rl.ttrl import PseudoLabeler, unlabeled
 from stages.rl.shaping import curiosity_bonus, longest_turn, overlong_penalty, token_rewards
 
 TTRL_STATE = "ttrl_buffer.json"
@@ -265,7 +265,7 @@ class Trainer:
         self.ahead: RolloutAhead | None = None
         """With rl.overlap: the next step's first batch, started before this step's update."""
         self.pixelis = PixelisShaper(self.params.pixelis, inputs.seed) if self.params.pixelis.enabled else None
-        self.ttrl = TestTimeLabeler(self.params.ttrl) if self.params.ttrl.enabled else None
+        self.ttrl = PseudoLabeler(self.params.ttrl) if self.params.ttrl.enabled else None
         """Test-time RL (rl.ttrl): labels each group by vote, with an experience buffer of earlier votes."""
         self.ttrl_figures: dict[str, float] = {}
         """Pixelis' combined reward (rl.pixelis), stateful: its curiosity module learns as RL goes."""

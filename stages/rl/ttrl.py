@@ -149,7 +149,7 @@ def vote(answers: list[str | None], neighbours: list[tuple[Experience, float]], 
     return label, weights[label] * agreement_factor(agreeing, len(votes))
 
 
-class TestTimeLabeler:
+class PseudoLabeler:
     """Labels each group of samples before scoring, and gates the groups the vote is unsure of."""
 
     def __init__(self, params: Any):
