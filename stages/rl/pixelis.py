@@ -54,14 +54,16 @@ def _operations() -> list[str]:
 ACTION_DIM = len(_operations()) + ARGUMENT_SLOTS
 
 
-def _text_features(text: str) -> np.ndarray:
+def text_features(text: str) -> np.ndarray:
+    """A hashed bag of the text's lowercased words (CRC-32 into 64 buckets): the same text, the same vector."""
     out = np.zeros(TEXT_DIM, dtype=np.float32)
     for word in text.lower().split():
         out[zlib.crc32(word.encode()) % TEXT_DIM] += 1.0
     return out
 
 
-def _image_features(image: Any) -> np.ndarray:
+def image_features(image: Any) -> np.ndarray:
+    """The image as an 8 x 8 RGB thumbnail, centred on 0 (zeros when there is no image)."""
     if image is None:
         return np.zeros(THUMB_SIDE * THUMB_SIDE * 3, dtype=np.float32)
     thumb = image.convert("RGB").resize((THUMB_SIDE, THUMB_SIDE))
@@ -78,7 +80,7 @@ def step_embeddings(trajectory: Trajectory) -> list[np.ndarray]:
             continue
         for index in turn.images:
             latest = images[index] if index < len(images) else latest
-        vector = np.concatenate([_image_features(latest), _text_features(turn.text)])
+        vector = np.concatenate([image_features(latest), text_features(turn.text)])
         out.append(vector / (np.linalg.norm(vector) + 1e-8))
     return out
 

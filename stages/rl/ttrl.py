@@ -35,7 +35,7 @@ import numpy as np
 from loupe.data.tasks import TaskRecord
 from loupe.rewards.choice import extract_choice
 from loupe.trajectory import Trajectory
-from stages.rl.pixelis import _image_features, _text_features
+from stages.rl.pixelis import image_features, text_features
 
 UNLABELED = "unlabeled"
 """The solution every TTRL question carries in the trainer: its label is never read."""
@@ -63,8 +63,8 @@ def normalised_answer(trajectory: Trajectory) -> str | None:
 
 def question_embedding(trajectory: Trajectory) -> np.ndarray:
     images = trajectory.trace.images if trajectory.trace is not None else []
-    vector = np.concatenate([_image_features(images[0] if images else None),
-                             _text_features(str(trajectory.task.get("problem", "")))])
+    vector = np.concatenate([image_features(images[0] if images else None),
+                             text_features(str(trajectory.task.get("problem", "")))])
     return vector / (np.linalg.norm(vector) + 1e-8)
 
 
