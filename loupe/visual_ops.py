@@ -19,8 +19,8 @@ raises on a model's request: a bad argument comes back as a `ToolError` naming t
 - `rotate`: PIL's rotation, counter-clockwise degrees, the canvas grown to hold the whole image.
 - `select_frames`: frames of a video task by their 1-based number, at most 8 a call (Pixel-Reasoner's tool:
   `SelectFrames` and `execute_tool` in curiosity_driven_rl/openrlhf/trainer/ppo_utils/experience_maker.py).
-- `track_object`: OpenCV's MIL tracker (`cv2.TrackerMIL`, in the main module, no model file) from a box on one
-  frame through the following ones.
+- `track_object`: template matching (OpenCV's `matchTemplate`, normalised squared differences), the object's box
+  on one frame followed through the following ones, the template renewed from each match (`MIN_MATCH`).
 """
 
 from __future__ import annotations
@@ -46,6 +46,10 @@ from loupe.tools import (
     operation,
     smart_resize,
 )
+
+MIN_MATCH = 0.5
+"""`track_object` calls the object lost on a frame where its best match scores less than this (1 minus the
+normalised squared difference: 1 for the same pixels)."""
 
 MAX_FRAMES_PER_CALL = 8
 """Pixel-Reasoner's cap on `select_frames` (execute_tool: 'no more than 8 frames')."""
@@ -308,17 +312,25 @@ def track_object(session: ImageSession, args: TrackArguments, budget: PixelBudge
     box = _relative_box_px(args.bbox_2d, first.width, first.height)
     if isinstance(box, ToolError):
         return box
-    tracker = cv2.TrackerMIL.create()
-    to_bgr = lambda image: cv2.cvtColor(np.asarray(image.convert("RGB")), cv2.COLOR_RGB2BGR)  # noqa: E731
-    tracker.init(to_bgr(first), (box[0], box[1], box[2] - box[0], box[3] - box[1]))
+    # Template matching (`cv2.matchTemplate`), the template renewed from each frame's match: deterministic, where
+    # OpenCV's MIL tracker drew different tracks for the same call.
+    template = np.asarray(first.convert("RGB"))[box[1]:box[3], box[0]:box[2]]
     track: list[dict[str, Any]] = [{"frame": args.start_frame, "box": list(_relative(box, first.width, first.height))}]
     for number in range(args.start_frame + 1, count + 1):
         frame = session.frames[number - 1]
-        found, (x, y, w, h) = tracker.update(to_bgr(frame))
-        if not found:
+        pixels = np.asarray(frame.convert("RGB"))
+        if pixels.shape[0] < template.shape[0] or pixels.shape[1] < template.shape[1]:
             track.append({"frame": number, "box": None})
             continue
-        track.append({"frame": number, "box": [round(v, 4) for v in _relative(
-            (int(x), int(y), int(x + w), int(y + h)), frame.width, frame.height)]})
+        # Squared differences, normalised: a flat-coloured object has no variance for correlation to read.
+        differences = cv2.matchTemplate(pixels.astype(np.float32), template.astype(np.float32), cv2.TM_SQDIFF_NORMED)
+        least, _, (x, y), _ = cv2.minMaxLoc(differences)
+        if not np.isfinite(least) or 1.0 - least < MIN_MATCH:
+            track.append({"frame": number, "box": None})
+            continue
+        h, w = template.shape[:2]
+        template = pixels[y:y + h, x:x + w]
+        track.append({"frame": number, "box": [round(v, 4) for v in _relative((x, y, x + w, y + h), frame.width,
+                                                                                frame.height)]})
     parts = [f"frame {step['frame']}: {_fmt_box(tuple(step['box'])) if step['box'] else 'lost'}" for step in track]
     return ToolResult(text="track: " + "; ".join(parts), record={"track": track})

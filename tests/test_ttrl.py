@@ -82,9 +82,9 @@ def test_the_labeler_writes_labels_and_gates_unsure_groups():
     sure = [sample(a, "q1") for a in ("red", "red", "red", "red")]
     unsure = [sample(a, "q2") for a in ("red", "blue", "green", "yellow")]
     labeler = PseudoLabeler(params)
-    figures = labeler.label(sure + unsure, group_size=4, step=1)
+    figures, gated = labeler.label(sure + unsure, group_size=4, step=1)
     assert all(t.task["solution"] == "red" for t in sure)
-    assert all(t.task["solution"] == UNLABELED for t in unsure) and labeler.gated == {4, 5, 6, 7}
+    assert all(t.task["solution"] == UNLABELED for t in unsure) and gated == {4, 5, 6, 7}
     assert figures["ttrl/groups_kept"] == 0.5 and len(labeler.buffer.entries) == 2
 
 

@@ -135,9 +135,14 @@ def test_track_object_follows_a_moving_square():
     assert isinstance(tracked, ToolResult)
     track = tracked.record["track"]
     assert [step["frame"] for step in track] == list(range(1, 13))
-    last = track[-1]["box"]
-    true_last = (10 + 11 * 6) / 160
-    assert last is not None and abs(last[0] - true_last) < 0.06  # within 10 px of where the square went
+    for step in track:  # the square moves 6 px a frame to the right and stays at y = 40
+        x0, y0 = step["box"][0] * 160, step["box"][1] * 120
+        assert abs(x0 - (10 + 6 * (step["frame"] - 1))) <= 1 and abs(y0 - 40) <= 1, step
+    again = call(ImageSession(original=frames[0], frames=frames), "track_object", bbox_2d=start, start_frame=1)
+    assert again.record == tracked.record  # the same call, the same track
+    gone = frames[:6] + [Image.new("RGB", (160, 120), GROUND)] * 2
+    lost = call(ImageSession(original=frames[0], frames=gone), "track_object", bbox_2d=start, start_frame=1)
+    assert [step["box"] is None for step in lost.record["track"]] == [False] * 6 + [True] * 2
 
 
 @pytest.mark.parametrize("tool, arguments, kind, words", [

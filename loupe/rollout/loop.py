@@ -36,8 +36,6 @@ class _Live:
     errors_left: int
 
 
-
-
 @dataclass
 class RolloutStats:
     """What a run of the loop cost, for progress bars and benchmarks."""
@@ -216,10 +214,8 @@ def _take_turn(
         if trajectory.num_turns >= turn_limit or len(trajectory.images) >= protocol_params.max_images:
             return "over_turn"
         result = run_tool(action.call, session, protocol_params.budget)
-        if isinstance(result, CropResult):
-            return _add_observation(item, result, protocol, protocol_params, engine, max_new_tokens)
-        if isinstance(result, ToolResult):
-            return _add_tool_result(item, result, action.call.tool, protocol, protocol_params, engine, max_new_tokens)
+        if isinstance(result, (CropResult, ToolResult)):
+            return _show_result(item, result, action.call.tool, protocol, protocol_params, engine, max_new_tokens)
         error_kind, detail = result.kind.value, result.detail
     else:
         assert action.error is not None
@@ -238,61 +234,38 @@ def _take_turn(
     return _append_user(item, message, [], engine, protocol_params, max_new_tokens)
 
 
-def _add_observation(
+def _show_result(
     item: _Live,
-    result: CropResult,
-    protocol: Protocol,
-    protocol_params: ProtocolParams,
-    engine: Engine,
-    max_new_tokens: int,
-) -> str | None:
-    trajectory = item.trajectory
-    name = item.session.add_observation(result.image, result.region, base=result.base)
-    number = int(name.rsplit("_", 1)[1])
-    source_index = 0 if result.source == "original_image" else _observation_image_index(trajectory, result.source)
-    index = trajectory.add_image(result.image)
-    text = protocol.observation_turn(number, result.image.size)
-    trajectory.turns.append(
-        Turn(
-            "user",
-            text,
-            images=[index],
-            crop={
-                "source": result.source,
-                "source_image": source_index,
-                "box_px": list(result.box_px),
-                "region_px": list(result.region_px),
-                "size": list(result.image.size),
-                "observation": number,
-            },
-        )
-    )
-    return _append_user(item, text, [result.image], engine, protocol_params, max_new_tokens)
-
-
-def _add_tool_result(
-    item: _Live,
-    result: ToolResult,
+    result: CropResult | ToolResult,
     tool: str,
     protocol: Protocol,
     protocol_params: ProtocolParams,
     engine: Engine,
     max_new_tokens: int,
 ) -> str | None:
-    """Show a visual operation's outcome: its new images, each an observation of its own, and its text."""
-    trajectory = item.trajectory
-    if len(trajectory.images) + len(result.images) > protocol_params.max_images:
-        return "over_turn"
-    numbers, indices, shown = [], [], []
-    for new in result.images:
-        name = item.session.add_image(new.image, new.full)
-        numbers.append(int(name.rsplit("_", 1)[1]))
-        indices.append(trajectory.add_image(new.image))
-        shown.append(new.image)
-    text = protocol.tool_result_turn(numbers, [image.size for image in shown], result.text)
-    trajectory.turns.append(Turn("user", text, images=indices,
-                                 tool={"tool": tool, "observations": numbers, "text": result.text, **result.record}))
-    return _append_user(item, text, shown, engine, protocol_params, max_new_tokens)
+    """Give a tool's outcome back as the next user turn: a crop (an observation that is a region of its source,
+    recorded in `Turn.crop`), or a visual operation's new images, each an observation of its own, and its text
+    (recorded in `Turn.tool`)."""
+    trajectory, session = item.trajectory, item.session
+    if isinstance(result, CropResult):
+        name = session.add_observation(result.image, result.region, base=result.base)
+        number = int(name.rsplit("_", 1)[1])
+        source_index = 0 if result.source == "original_image" else _observation_image_index(trajectory, result.source)
+        images = [result.image]
+        text = protocol.observation_turn(number, result.image.size)
+        record = {"crop": {"source": result.source, "source_image": source_index, "box_px": list(result.box_px),
+                           "region_px": list(result.region_px), "size": list(result.image.size),
+                           "observation": number}}
+    else:
+        if len(trajectory.images) + len(result.images) > protocol_params.max_images:
+            return "over_turn"
+        images = [new.image for new in result.images]
+        numbers = [int(session.add_image(new.image, new.full).rsplit("_", 1)[1]) for new in result.images]
+        text = protocol.tool_result_turn(numbers, [image.size for image in images], result.text)
+        record = {"tool": {"tool": tool, "observations": numbers, "text": result.text, **result.record}}
+    indices = [trajectory.add_image(image) for image in images]
+    trajectory.turns.append(Turn("user", text, images=indices, **record))
+    return _append_user(item, text, images, engine, protocol_params, max_new_tokens)
 
 
 def _observation_image_index(trajectory: Trajectory, source: str) -> int:

@@ -170,9 +170,9 @@ class PixelisShaper:
     def weights(self, step: int) -> dict[str, float]:
         """The curriculum's weights at `step` (module docstring)."""
         p = self.params
-        weights = {"task": p.weights.task, "curiosity": 0.0, "coherence": 0.0}
         if not p.curriculum:
-            return {"task": p.weights.task, "curiosity": p.weights.curiosity, "coherence": p.weights.coherence}
+            return p.weights.model_dump()
+        weights = {"task": p.weights.task, "curiosity": 0.0, "coherence": 0.0}
         for stage in p.curriculum:
             if step >= stage.step:
                 weights.update({k: v for k, v in stage.weights.model_dump().items() if v is not None})

@@ -265,10 +265,11 @@ class Trainer:
         self.ahead: RolloutAhead | None = None
         """With rl.overlap: the next step's first batch, started before this step's update."""
         self.pixelis = PixelisShaper(self.params.pixelis, inputs.seed) if self.params.pixelis.enabled else None
+        """Pixelis' combined reward (rl.pixelis), stateful: its curiosity module learns as RL goes."""
         self.ttrl = PseudoLabeler(self.params.ttrl) if self.params.ttrl.enabled else None
         """Test-time RL (rl.ttrl): labels each group by vote, with an experience buffer of earlier votes."""
         self.ttrl_figures: dict[str, float] = {}
-        """Pixelis' combined reward (rl.pixelis), stateful: its curiosity module learns as RL goes."""
+        """The last labelled batch's test-time RL figures, logged with its step."""
 
     # --- set-up and tear-down -------------------------------------------------------------------------------
 
@@ -399,10 +400,10 @@ class Trainer:
         started = time.perf_counter()
         scorable = trajectories
         if self.ttrl is not None:  # test-time RL: pseudo-labels by vote; an unsure group is not trained
-            self.ttrl_figures = self.ttrl.label(trajectories, group_size, self.step + 1)
-            for k in self.ttrl.gated:
+            self.ttrl_figures, gated = self.ttrl.label(trajectories, group_size, self.step + 1)
+            for k in gated:
                 trajectories[k].rewards = {"total": None, "valid": False, "reason": "ttrl: the vote was unsure"}
-            scorable = [t for k, t in enumerate(trajectories) if k not in self.ttrl.gated]
+            scorable = [t for k, t in enumerate(trajectories) if k not in gated]
         for t, rewards in zip(scorable, self.reward.score(scorable) if scorable else []):
             t.rewards = rewards
         self._shape(trajectories, group_size)

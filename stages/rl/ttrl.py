@@ -156,12 +156,13 @@ class PseudoLabeler:
         self.params = params
         self.buffer = ExperienceBuffer(params.buffer_size)
 
-    def label(self, trajectories: list[Trajectory], group_size: int, step: int) -> dict[str, float]:
-        """Write each group's pseudo-label into its samples' task (`solution`); returns the step's figures.
-        A gated group's samples get `ttrl_gated` in their task, and `gated` lists them for the trainer."""
+    def label(self, trajectories: list[Trajectory], group_size: int, step: int) -> tuple[dict[str, float], set[int]]:
+        """Write each group's pseudo-label into its samples' task (`solution`); returns the step's figures and
+        the indices of the samples whose group the vote was too unsure of to train on (their task keeps
+        `UNLABELED`)."""
         p = self.params
         confidences, kept = [], 0
-        self.gated: set[int] = set()
+        gated: set[int] = set()
         for start in range(0, len(trajectories), group_size):
             group = trajectories[start : start + group_size]
             embedding = question_embedding(group[0])
@@ -170,7 +171,7 @@ class PseudoLabeler:
                                      p.min_votes, p.recency_steps)
             confidences.append(confidence)
             if label is None or confidence < p.confidence_gate:
-                self.gated.update(range(start, start + len(group)))
+                gated.update(range(start, start + len(group)))
             else:
                 kept += 1
                 for t in group:
@@ -178,5 +179,6 @@ class PseudoLabeler:
             if label is not None:
                 self.buffer.add(Experience(embedding, label, confidence, step))
         groups = max(1, math.ceil(len(trajectories) / group_size))
-        return {"ttrl/confidence": float(np.mean(confidences)) if confidences else 0.0,
-                "ttrl/groups_kept": kept / groups, "ttrl/buffer": float(len(self.buffer.entries))}
+        figures = {"ttrl/confidence": float(np.mean(confidences)) if confidences else 0.0,
+                   "ttrl/groups_kept": kept / groups, "ttrl/buffer": float(len(self.buffer.entries))}
+        return figures, gated
