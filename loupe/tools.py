@@ -116,7 +116,7 @@ def fit_to_budget(image: Image.Image, budget: PixelBudget) -> Image.Image:
     return image if image.size == (width, height) else image.resize((width, height), Image.Resampling.BICUBIC)
 
 
-def _outwards(box: tuple[float, float, float, float]) -> tuple[int, int, int, int]:
+def round_outwards(box: tuple[float, float, float, float]) -> tuple[int, int, int, int]:
     """A float box rounded outwards to whole pixels, at least one each way; 1e-9 keeps float noise
     (279.9999999999) from adding a pixel."""
     left, top = math.floor(box[0] + 1e-9), math.floor(box[1] + 1e-9)
@@ -338,7 +338,7 @@ def crop(session: ImageSession, arguments: dict[str, Any], budget: PixelBudget) 
             return ToolError(ToolErrorKind.DEGENERATE_BOX,
                              f"the box covers less than one pixel of the {width}x{height} image shown")
         composed = (rx0 + bx0 * kx, ry0 + by0 * ky, rx0 + bx1 * kx, ry0 + by1 * ky)
-        left, top, right, bottom = _outwards(composed)
+        left, top, right, bottom = round_outwards(composed)
         box_px = (bx0, by0, bx1, by1)
     else:
         if x1 - x0 < 1.0 or y1 - y0 < 1.0:
@@ -346,7 +346,7 @@ def crop(session: ImageSession, arguments: dict[str, Any], budget: PixelBudget) 
                 ToolErrorKind.DEGENERATE_BOX, f"the box covers less than one pixel of the {width}x{height} source"
             )
         composed = (rx0 + x0 * kx, ry0 + y0 * ky, rx0 + x1 * kx, ry0 + y1 * ky)
-        left, top, right, bottom = _outwards(composed)  # once, on the original
+        left, top, right, bottom = round_outwards(composed)  # once, on the original
         box_px = (math.floor(x0), math.floor(y0), math.ceil(x1), math.ceil(y1))
     # The cut's size in pixels of the image it comes from: the shown image's, or the original's.
     cut_w, cut_h = ((box_px[2] - box_px[0], box_px[3] - box_px[1]) if budget.crop_cut == "shown"

@@ -42,9 +42,9 @@ from loupe.tools import (
     ToolError,
     ToolErrorKind,
     ToolResult,
-    _outwards,
+    fit_to_budget,
     operation,
-    smart_resize,
+    round_outwards,
 )
 
 MIN_MATCH = 0.5
@@ -112,7 +112,7 @@ def source_pixels(session: ImageSession, source: str) -> Image.Image | None:
     pixels = session.base_image(base)
     if pixels is None:
         return None
-    box = _outwards(region)
+    box = round_outwards(region)
     return pixels if box == (0, 0, pixels.width, pixels.height) else pixels.crop(box)
 
 
@@ -129,10 +129,9 @@ def _relative_box_px(box: RelativeBox, width: int, height: int) -> tuple[int, in
     return left, top, right, bottom
 
 
-def _shown(image: Image.Image, budget: PixelBudget) -> Image.Image:
-    """`image` resized into the crops' pixel budget, as a crop is shown."""
-    height, width = smart_resize(image.height, image.width, budget.for_crops())
-    return image if image.size == (width, height) else image.resize((width, height), Image.Resampling.BICUBIC)
+def _for_crops(image: Image.Image, budget: PixelBudget) -> Image.Image:
+    """`image` as a crop is shown: resized into the crops' pixel budget."""
+    return fit_to_budget(image, budget.for_crops())
 
 
 def _fmt_box(box: tuple[float, ...]) -> str:
@@ -173,7 +172,7 @@ def segment_at(session: ImageSession, args: SegmentArguments, budget: PixelBudge
     box = _relative(box_px, width, height)
     text = (f"{name}: the object at [{x:.3f}, {y:.3f}] of {args.source} covers {area} px "
             f"({100 * area / (width * height):.1f}% of it), box {_fmt_box(box)}")
-    return ToolResult(images=(NewImage(_shown(alone, budget), alone),), text=text,
+    return ToolResult(images=(NewImage(_for_crops(alone, budget), alone),), text=text,
                       record={"mask": name, "source": args.source, "box": list(box), "area": area})
 
 
@@ -273,7 +272,7 @@ def rotate(session: ImageSession, args: RotateArguments, budget: PixelBudget) ->
     if image is None:
         return _unknown_source(args.source)
     turned = image.rotate(args.angle, resample=Image.Resampling.BICUBIC, expand=True, fillcolor=(255, 255, 255))
-    return ToolResult(images=(NewImage(_shown(turned, budget), turned),),
+    return ToolResult(images=(NewImage(_for_crops(turned, budget), turned),),
                       record={"source": args.source, "angle": args.angle, "size": list(turned.size)})
 
 
@@ -295,7 +294,7 @@ def select_frames(session: ImageSession, args: SelectFramesArguments, budget: Pi
         return ToolError(ToolErrorKind.BAD_ARGUMENTS, f"there are {count} frames, numbered 1 to {count}; "
                                                       f"{outside} is out of range")
     frames = [session.frames[n - 1] for n in args.target_frames]
-    return ToolResult(images=tuple(NewImage(_shown(f, budget), f) for f in frames),
+    return ToolResult(images=tuple(NewImage(_for_crops(f, budget), f) for f in frames),
                       record={"frames": list(args.target_frames)})
 
 
