@@ -289,6 +289,10 @@ class Protocol:
     clamp_boxes: bool = False
     """Whether a box reaching outside its image is clamped onto it rather than refused (`protocol.out_of_range_boxes`)."""
 
+    def can_call(self, tool: str) -> bool:
+        """Whether this grammar has a call for the registered tool `tool` (teachers check before writing one)."""
+        return tool == "crop"
+
     def observation_turn(self, index: int, size: tuple[int, int] | None = None) -> str:
         """The user turn returning crop `index`, shown at `size` (width, height): the recipe's template when set
         (`{image}`, `{index}`, `{width}`, `{height}`), else the protocol's own."""
@@ -796,6 +800,9 @@ class PixelisProtocol(Protocol):
 
     def tool_text(self, text: str) -> str:
         return f"Result: {text}"
+
+    def can_call(self, tool: str) -> bool:
+        return any(tool == registered for registered, _, _ in PIXELIS_OPERATIONS.values())
 
     def error_text(self, detail: str | FormatError) -> str:
         return f"Error: {_error_detail(detail)}\nFix the call, or answer."

@@ -332,4 +332,26 @@ def track_object(session: ImageSession, args: TrackArguments, budget: PixelBudge
         track.append({"frame": number, "box": [round(v, 4) for v in _relative((x, y, x + w, y + h), frame.width,
                                                                                 frame.height)]})
     parts = [f"frame {step['frame']}: {_fmt_box(tuple(step['box'])) if step['box'] else 'lost'}" for step in track]
-    return ToolResult(text="track: " + "; ".join(parts), record={"track": track})
+    movement = overall_movement(track)
+    return ToolResult(text="track: " + "; ".join(parts) + f"; overall: {movement}",
+                      record={"track": track, "movement": movement})
+
+
+MIN_MOVEMENT = 0.02
+"""A tracked object whose centre moved less than this (a fraction of the frame's side) stayed in place."""
+
+
+def overall_movement(track: list[dict[str, Any]]) -> str:
+    """Where the object went from its first box to its last found one, in words: the larger of its horizontal and
+    vertical shifts (`moved right by 0.12 of the width`), `stayed in place`, or `lost` when no later frame has it.
+    A track is a column of numbers; the summary is what a reader of it wants first."""
+    found = [step["box"] for step in track if step["box"] is not None]
+    if len(found) < 2:
+        return "lost"
+    (a0, b0, a1, b1), (c0, d0, c1, d1) = found[0], found[-1]
+    dx, dy = (c0 + c1 - a0 - a1) / 2, (d0 + d1 - b0 - b1) / 2
+    if max(abs(dx), abs(dy)) < MIN_MOVEMENT:
+        return "stayed in place"
+    if abs(dx) >= abs(dy):
+        return f"moved {'right' if dx > 0 else 'left'} by {abs(dx):.2f} of the width"
+    return f"moved {'down' if dy > 0 else 'up'} by {abs(dy):.2f} of the height"

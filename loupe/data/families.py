@@ -3,6 +3,8 @@
 - `zoom` (loupe.data.zoom_tasks, the default): a colour patch legible only in a crop, at a place the question
   names and the overview shows; the tiny model learns it in minutes (docs/learning.md).
 - `synthetic` (loupe.data.synthetic): cluttered visual search over five question kinds, a harder setting.
+- `operations` (loupe.data.operation_tasks): signs to read, shapes to segment and measure, squares to track in
+  short videos: questions a crop cannot answer, for Pixelis' visual operations.
 - `arithmetic`, `counting`, `geometry` (loupe.data.recipe_tasks): the seeds' recipes' kinds of task (text-only
   math, CLEVR-like counting, GeoQA-like geometry) for the CPU twins of their presets.
 """
@@ -25,11 +27,15 @@ from loupe.data.recipe_tasks import (
     generate_counting_tasks,
     generate_geometry_tasks,
 )
+from loupe.data.operation_tasks import OperationTaskConfig, generate_operation_tasks
 from loupe.data.splits import SPLITS, SplitConfig, check_replaceable
-from loupe.data.tasks import read_tasks, write_tasks
+from loupe.data.tasks import TaskRecord, read_tasks, write_tasks
 from loupe.io import atomic_directory
 from loupe.data.synthetic import SyntheticConfig, generate_tasks
 from loupe.data.zoom_tasks import ZoomTaskConfig, generate_zoom_tasks
+
+
+Family = Literal["zoom", "synthetic", "operations", "arithmetic", "counting", "geometry"]
 
 
 class DataParams(BaseModel):
@@ -37,16 +43,18 @@ class DataParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    family: Literal["zoom", "synthetic", "arithmetic", "counting", "geometry", "mixed"] = "zoom"
-    """Task family the data stage writes: zoom (the embedded default), synthetic (harder), one of the recipes'
-    kinds: arithmetic (text-only), counting, geometry; or mixed: the families `mixed` lists, together."""
-    mixed: list[Literal["zoom", "synthetic", "arithmetic", "counting", "geometry"]] = ["arithmetic", "geometry"]
+    family: Literal["zoom", "synthetic", "operations", "arithmetic", "counting", "geometry", "mixed"] = "zoom"
+    """Task family the data stage writes: zoom (the embedded default), synthetic (harder), operations (Pixelis'
+    visual operations), one of the recipes' kinds: arithmetic (text-only), counting, geometry; or mixed: the families `mixed` lists, together."""
+    mixed: list[Family] = ["arithmetic", "geometry"]
     """The families a `mixed` task set holds, each with its own knobs (a cold start that covers a two-stage
     recipe's kinds of task); records interleaved, each family's images under images/<family>/."""
     zoom: ZoomTaskConfig = Field(default_factory=ZoomTaskConfig)
     """Knobs of the zoom family (read when `family` is zoom)."""
     synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig)
     """Knobs of the synthetic family (read when `family` is synthetic)."""
+    operations: OperationTaskConfig = Field(default_factory=OperationTaskConfig)
+    """Knobs of the operations family (signs, shapes, moving squares)."""
     arithmetic: ArithmeticConfig = Field(default_factory=ArithmeticConfig)
     """Knobs of the arithmetic family (text-only questions)."""
     counting: CountingConfig = Field(default_factory=CountingConfig)
@@ -54,7 +62,7 @@ class DataParams(BaseModel):
     geometry: GeometryConfig = Field(default_factory=GeometryConfig)
     """Knobs of the geometry family."""
 
-    extra_families: list[Literal["zoom", "synthetic", "arithmetic", "counting", "geometry"]] = []
+    extra_families: list[Family] = []
     """More task sets the data stage writes, each in `<out>/tasks_<family>` (a two-stage recipe trains its
     stages on different data: LMM-R1's text-only FRE, then geometry)."""
 
@@ -64,7 +72,7 @@ class DataParams(BaseModel):
         return getattr(self, self.mixed[0] if self.family == "mixed" else self.family)
 
 
-_GENERATORS = {"zoom": generate_zoom_tasks, "synthetic": generate_tasks, "arithmetic": generate_arithmetic_tasks,
+_GENERATORS = {"zoom": generate_zoom_tasks, "synthetic": generate_tasks, "operations": generate_operation_tasks, "arithmetic": generate_arithmetic_tasks,
                "counting": generate_counting_tasks, "geometry": generate_geometry_tasks}
 
 
@@ -87,12 +95,21 @@ def generate_mixed(out_dir: Path, params: DataParams, progress: bool = False, wo
             (tmp / "images").mkdir(exist_ok=True)
             shutil.move(str(Path(scratch) / family / "images"), str(tmp / "images" / family))
         for split in SPLITS:
-            streams = [[r.model_copy(update={"images": [f"images/{family}/{i.removeprefix('images/')}"
-                                                        for i in r.images]})
-                        for r in read_tasks(paths[split])] for family, paths in parts.items()]
+            streams = [[_moved(r, family) for r in read_tasks(paths[split])] for family, paths in parts.items()]
             interleaved = [r for group in itertools.zip_longest(*streams) for r in group if r is not None]
             write_tasks(interleaved, tmp / f"{split}.jsonl")
     return {split: out_dir / f"{split}.jsonl" for split in SPLITS}
+
+
+def _moved(record: TaskRecord, family: str) -> TaskRecord:
+    """`record` with its image and video paths under images/<family>/."""
+    def moved(path: str) -> str:
+        return f"images/{family}/{path.removeprefix('images/')}"
+
+    update: dict = {"images": [moved(i) for i in record.images]}
+    if record.video is not None:
+        update["video"] = moved(record.video)
+    return record.model_copy(update=update)
 
 
 def generate_families(out_dir: Path, params: DataParams, progress: bool = False, workers: int = 1) -> dict[str, Path]:

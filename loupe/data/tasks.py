@@ -87,7 +87,11 @@ class TaskRecord(BaseModel):
     """A clip the question is about, relative to the base directory: a video file (decoded with PyAV) or a
     folder of frame images. The rollout samples at most `protocol.video_max_frames` frames evenly over it
     (`loupe.video.read_clip`) and shows them as the question's images, one placeholder each, so a video task
-    lists no `images` and its `problem` holds no placeholder; `select_frames` and `track_object` work on them."""
+    lists no `images` and its `problem` holds no placeholder; `select_frames` and `track_object` work on them.
+    A video task's `bbox` is on its first frame."""
+    operation: str | None = None
+    """The visual operation that answers the question (a name in loupe.visual_ops: `read_text`, `segment_at`,
+    `track_object`), for the oracle teacher, which calls it on `bbox`; None: a crop answers it, or nothing."""
 
     @field_validator("bbox")
     @classmethod
@@ -128,7 +132,7 @@ class TaskRecord(BaseModel):
 
     @model_validator(mode="after")
     def _bbox_needs_an_image(self) -> "TaskRecord":
-        if self.bbox is not None and not self.images:
+        if self.bbox is not None and not self.images and self.video is None:
             raise ValueError("bbox: a text-only task (no images) has no box to hold")
         return self
 
@@ -372,11 +376,15 @@ def write_tasks(records: list[TaskRecord], path: str | Path) -> None:
 
 
 def chance_rate(records: Sequence[TaskRecord]) -> float:
-    """Accuracy of guessing without looking: for free-form records the commonest answer's share (the best
-    constant guess), for choice records 1 / option count; averaged over the records."""
+    """Accuracy of guessing without looking: for free-form records the commonest answer's share within their
+    category (the best constant guess for each kind of question, which the question's words tell apart), for
+    choice records 1 / option count; averaged over the records."""
     if not records:
         return 0.0
-    free = [r.solution for r in records if not r.is_choice]
+    by_category: dict[str | None, Counter] = {}
+    for r in records:
+        if not r.is_choice:
+            by_category.setdefault(r.category, Counter())[r.solution] += 1
+    best_constant = sum(max(answers.values()) for answers in by_category.values())
     choice = sum(1.0 / len(r.options or []) for r in records if r.is_choice)
-    best_constant = max(Counter(free).values()) if free else 0
     return (best_constant + choice) / len(records)

@@ -11,6 +11,10 @@ exactly what a model would have produced. Per trajectory it draws a search plan 
 - `observation_zoom`: a wide look, then zooms into the observation rather than the original (3+ turns);
 - `reason`: tasks with no target box but a worked `rationale` (the recipe families: arithmetic, counting,
   geometry) are answered at once, the rationale as the reasoning (1 turn);
+- `operate`: tasks that name a visual `operation` (loupe.data.operation_tasks) get that operation's calls on
+  their `bbox`: `read_text` on a sign's box, `segment_at` on an object's centre then `get_properties` on its
+  mask, `track_object` from a square's box on the first frame; then the answer the result gives (2-3 turns).
+  Only a protocol with those calls (`pixelis`) can write them;
 - `glance`: no zoom: a guess from the downscaled view (1 turn), right only by chance, as a real teacher that
   skips the search sometimes is. Rejection by answer keeps the lucky guesses, so a cold start with glances
   teaches a model that answering at once sometimes pays and zooming pays more: RL's job is to learn the
@@ -29,12 +33,12 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from PIL import Image
 
-from loupe.data.tasks import OPTION_LETTERS, TaskRecord
+from loupe.data.tasks import IMAGE_PLACEHOLDER, OPTION_LETTERS, TaskRecord
 from loupe.protocol import ORIGINAL_IMAGE, Protocol, ToolCall
 from loupe.rollout.engine import Engine, Generation
 from stages.synth.params import OracleParams
@@ -67,6 +71,21 @@ class Look:
 class Plan:
     pattern: str
     looks: list[Look]
+    calls: list[ToolCall] = field(default_factory=list)
+    """The visual operations of an `operate` plan, in order."""
+
+
+def operation_calls(task: TaskRecord) -> list[ToolCall]:
+    """The calls that answer a task naming a visual `operation`, on its `bbox` (relative to its first image or
+    frame)."""
+    box = list(task.bbox or ())
+    if task.operation == "segment_at":
+        point = [(box[0] + box[2]) / 2, (box[1] + box[3]) / 2]
+        return [ToolCall("segment_at", {"point": point}), ToolCall("get_properties", {"mask": "mask_1"})]
+    if task.operation in ("read_text", "track_object"):
+        return [ToolCall(task.operation, {"bbox_2d": box})]
+    raise OracleError(f"task {task.doc_id}: the oracle has no plan for operation {task.operation!r}; it knows "
+                      "read_text, segment_at and track_object")
 
 
 @dataclass
@@ -226,6 +245,12 @@ def _close_look(target: Box, params: OracleParams, rng: random.Random, frame: Bo
     return Look("close", close, source, close if frame is None else _within(close, frame))
 
 
+def _question_key(question: str) -> str:
+    """A question without its image placeholders and with its spaces collapsed: a video task's placeholders (one
+    per sampled frame) are known only once the loop has read its clip."""
+    return " ".join(question.replace(IMAGE_PLACEHOLDER, " ").split())
+
+
 # --- the engine -----------------------------------------------------------------------------------------------
 
 
@@ -253,21 +278,29 @@ class OracleEngine(Engine):
         `image_root` (the tasks' folder) is needed when the protocol's boxes are in pixels of the original."""
         self.image_root = image_root
         for task in tasks:
+            if task.operation is not None:
+                missing = [c.tool for c in operation_calls(task) if not self.protocol.can_call(c.tool)]
+                if missing:
+                    raise OracleError(f"task {task.doc_id}: its operation {task.operation!r} needs the call(s) "
+                                      f"{', '.join(missing)}, which the {self.protocol.name} protocol has no "
+                                      "grammar for; use protocol.name: pixelis")
             if task.bbox is None and not _rationale(task):
                 raise OracleError(f"task {task.doc_id}: field 'bbox' is missing; the oracle teacher needs tasks "
                                   "with a ground-truth target box (synthetic tasks) or a 'rationale' to answer with")
             if not task.is_choice:
                 self._free_answers.add(task.solution)
-            queue = self._expected.setdefault(self.protocol.question_text(task), deque())
+            queue = self._expected.setdefault(_question_key(self.protocol.question_text(task)), deque())
             queue.extend((task, k) for k in range(samples_per_task))
 
     def begin(self, system: str, question: str, images: list[Image.Image]) -> _OracleState:
-        queue = self._expected.get(question)
+        queue = self._expected.get(_question_key(question))
         if not queue:
             raise OracleError(f"the oracle was not prepared for the question {question[:80]!r}")
         task, k = queue.popleft()
         rng = random.Random(f"loupe-oracle/{self.seed}/{task.doc_id}/{k}")
-        if task.bbox is None:
+        if task.operation is not None:
+            plan = Plan("operate", [], operation_calls(task))
+        elif task.bbox is None:
             plan = Plan("reason", [])
         else:
             plan = draw_plan(tuple(task.bbox), self.params, self.max_turns, rng)
@@ -283,9 +316,13 @@ class OracleEngine(Engine):
         return _OracleState(task, plan, Wording(rng, plain=self.params.plain_wording), tokens, original_size=size)
 
     def add_user_turn(self, state: _OracleState, text: str, images: list[Image.Image]) -> None:
-        if images:
-            state.observations += len(images)
-        else:  # an error message: the plan no longer matches the dialogue
+        state.observations += len(images)
+        if state.plan.pattern == "operate":
+            # An operation may answer in words alone; the protocol's result marker ("Result:") tells its answer
+            # from an error turn. A grammar without one gives no sign, and rejection by answer is the check.
+            marker = self.protocol.tool_text("").strip()
+            state.failed = state.failed or bool(marker) and marker not in text
+        elif not images:  # an error message: the plan no longer matches the dialogue
             state.failed = True
         state.tokens += len(text) // 3 + 256 * len(images)
 
@@ -312,6 +349,8 @@ class OracleEngine(Engine):
             rationale = _rationale(state.task)
             think = fit_sentences([Sentence(rationale, rationale)], budget - len(self.protocol.render_answer("", answer)))
             return self._emit(state, self.protocol.render_answer(think, answer), "eos", max_new_tokens)
+        if state.plan.pattern == "operate":
+            return self._operate(state, step, budget, max_new_tokens)
         if step >= len(looks) or state.failed:
             letter = state.task.solution if state.task.is_choice else None
             sentences = words.answer(state.observations, state.task.answer_text(), letter)
@@ -337,6 +376,23 @@ class OracleEngine(Engine):
             x0, y0, x1, y1 = look.region
             call = ToolCall("crop", {"bbox_2d": [x0 * width, y0 * height, x1 * width, y1 * height],
                                      "source": ORIGINAL_IMAGE})
+        think = fit_sentences(sentences, budget - len(self.protocol.render_call("", call)))
+        return self._emit(state, self.protocol.render_call(think, call), "stop", max_new_tokens)
+
+    def _operate(self, state: _OracleState, step: int, budget: int, max_new_tokens: int) -> Generation:
+        """A turn of an `operate` plan: the next operation's call, or the answer its result gave."""
+        task, calls, words = state.task, state.plan.calls, state.wording
+        if step >= len(calls) or state.failed:
+            answer = task.solution
+            if state.failed:
+                sentences = words.answer(state.observations, task.answer_text(), None)
+            else:
+                sentences = words.operated(calls[-1].tool, task.answer_text())
+            think = fit_sentences(sentences, budget - len(self.protocol.render_answer("", answer)))
+            return self._emit(state, self.protocol.render_answer(think, answer), "eos", max_new_tokens)
+        call = calls[step]
+        sentences = words.operate(call.tool, area_name(tuple(task.bbox or (0, 0, 1, 1))),
+                                  mask=call.arguments.get("mask", ""))
         think = fit_sentences(sentences, budget - len(self.protocol.render_call("", call)))
         return self._emit(state, self.protocol.render_call(think, call), "stop", max_new_tokens)
 

@@ -130,6 +130,38 @@ CONFIRM = (
 )
 
 
+OPERATE = {
+    "read_text": (
+        "The letters on the sign in the {area} are too small to read here; I'll read its text.",
+        "I'll read the text of the sign in the {area}.",
+        "Reading the sign in the {area}.",
+    ),
+    "segment_at": (
+        "The object in the {area} is too small to make out its shape; I'll segment it.",
+        "I'll segment the object in the {area} to measure it.",
+        "Segmenting the object in the {area}.",
+    ),
+    "get_properties": (
+        "{mask} is the object; its properties will name its shape.",
+        "I'll ask for the properties of {mask}.",
+        "Reading the properties of {mask}.",
+    ),
+    "track_object": (
+        "I'll follow the square in the {area} through the frames.",
+        "Its movement is hard to see frame by frame; I'll track the square in the {area}.",
+        "Tracking the square in the {area}.",
+    ),
+}
+"""What the oracle says before each visual operation (loupe.visual_ops), by operation."""
+
+OPERATED = {
+    "read_text": ("The sign reads {text}.", "The text found is {text}, so that is the word.", "It says {text}."),
+    "get_properties": ("Its shape is {text}.", "The properties name its shape: {text}.", "It is a {text}."),
+    "track_object": ("The track shows it moved {text}.", "It moved {text}.", "Over the frames it goes {text}."),
+}
+"""What the oracle says of an operation's result before it answers, by the operation that gave the answer."""
+
+
 def area_name(box: Box) -> str:
     """Where a box's centre lies on its image, in words ("upper left", "centre", "right side")."""
     cx, cy = (box[0] + box[2]) / 2, (box[1] + box[3]) / 2
@@ -189,6 +221,12 @@ class Wording:
         else:
             seen = self._fill(SEEN_FREE, n=n, text=text)
         return self._kept([seen, self._fill(CONFIRM, optional=True)])
+
+    def operate(self, operation: str, area: str, mask: str = "") -> list[Sentence]:
+        return [self._fill(OPERATE[operation], area=area, mask=mask)]
+
+    def operated(self, operation: str, text: str) -> list[Sentence]:
+        return self._kept([self._fill(OPERATED[operation], text=text), self._fill(CONFIRM, optional=True)])
 
     def glance(self, text: str, letter: str | None) -> list[Sentence]:
         guess = self._fill(GUESS_CHOICE, text=text, letter=letter) if letter else self._fill(GUESS_FREE, text=text)
