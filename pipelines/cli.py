@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from loupe.config import OVERRIDES_ENV, ParamsError, load_section
+from loupe.config import OVERRIDES_ENV, ParamsError, load_section, read_params_file
 
 
 def _cmd_model_tiny(args: argparse.Namespace) -> int:
@@ -106,6 +106,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     elif not load_section(PipelineParams, "pipeline", root / "params.yaml").default_shape:
         raise ParamsError("params.yaml: pipeline.sft / pipeline.rl_stages change the stages, and dvc.yaml is written "
                           "for the default; put the recipe in its own file and run `loupe run --params FILE`")
+    # Every section of every stage, now: a typo would otherwise surface when its stage starts, minutes in.
+    from pipelines.overrides import check_params
+
+    where = str(args.params) + (f" with {' '.join(overrides)}" if overrides else "")
+    check_params(read_params_file(root / "params.yaml"), where)
+    _check_stage_names(args.stages, root / "dvc.yaml")
     # Prefect's records go to work/logs/flow.log (pipelines.flow.log_prefect_to_file); the terminal shows its
     # warnings only. Read by Prefect's logging set-up when it is imported, so set first.
     os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
@@ -142,6 +148,20 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if comparison.is_file():
         print(f"  the models compared (accuracy with its interval, accuracy vs turn limit): {comparison.as_uri()}")
     return 0
+
+
+def _check_stage_names(names: list[str] | None, dvc_file: Path) -> None:
+    """Refuse a `--stages` name dvc.yaml does not have, with the nearest one, before Prefect's server starts."""
+    import difflib
+
+    import yaml
+
+    stages = list((yaml.safe_load(dvc_file.read_text()) or {}).get("stages", {}))
+    for name in names or []:
+        if name not in stages:
+            near = difflib.get_close_matches(name, stages, n=1)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            raise ValueError(f"--stages: no stage {name!r} in {dvc_file.name}; {hint}the stages are {', '.join(stages)}")
 
 
 def _viewer_pages(work: Path) -> list[tuple[str, Path]]:

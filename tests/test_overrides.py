@@ -87,3 +87,44 @@ def test_a_stage_command_takes_overrides_and_refuses_a_bad_one(tmp_path, capsys)
                  "--out", str(tmp_path / "out"), "rl.not_a_key=1"])
     assert code == 2
     assert "rl.not_a_key: Extra inputs are not permitted" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["params.yaml", *sorted(p.name for p in (REPO / "params").glob("*.yaml"))])
+def test_every_shipped_params_file_passes_the_whole_check(name):
+    from pipelines.overrides import check_params
+    from pipelines.workspace import read_recipe
+
+    path = REPO / name if name == "params.yaml" else REPO / "params" / name
+    check_params(read_recipe(REPO, path), name)
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda d: d.update(dta=d.pop("data")), r"'dta' is not a section; did you mean 'data'\?"),
+    (lambda d: d["eval"].update(samplez=2), r"eval.samplez: Extra inputs are not permitted"),
+    (lambda d: d["synth"]["oracle"].update(patterns={"direkt": 1.0}), r"synth.oracle.patterns.direkt"),
+    (lambda d: d.update(seed="0"), r"seed: must be an integer"),
+])
+def test_a_typo_in_any_stage_is_named_before_anything_runs(tmp_path, monkeypatch, capsys, edit, message):
+    from pipelines.cli import main
+
+    data = yaml.safe_load((REPO / "params.yaml").read_text())
+    edit(data)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(data))
+    (tmp_path / "dvc.yaml").write_text((REPO / "dvc.yaml").read_text())
+    monkeypatch.chdir(tmp_path)
+    assert main(["run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("loupe: params.yaml") and __import__("re").search(message, err), err
+    assert not (tmp_path / "work").exists()  # refused before Prefect, DVC or a stage started
+
+
+def test_a_mistyped_stage_name_is_refused_with_the_nearest_one(tmp_path, monkeypatch, capsys):
+    from pipelines.cli import main
+
+    (tmp_path / "params.yaml").write_text((REPO / "params.yaml").read_text())
+    (tmp_path / "dvc.yaml").write_text((REPO / "dvc.yaml").read_text())
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "--stages", "sft", "evl"]) == 2
+    err = capsys.readouterr().err
+    assert "--stages: no stage 'evl' in dvc.yaml; did you mean 'eval'?" in err and "data, synth, sft, rl, eval" in err
+    assert not (tmp_path / "work").exists()

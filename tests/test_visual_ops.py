@@ -138,11 +138,17 @@ def test_track_object_follows_a_moving_square():
     for step in track:  # the square moves 6 px a frame to the right and stays at y = 40
         x0, y0 = step["box"][0] * 160, step["box"][1] * 120
         assert abs(x0 - (10 + 6 * (step["frame"] - 1))) <= 1 and abs(y0 - 40) <= 1, step
+    # 66 px right on a 160-px frame: 0.41 of the width, said in words after the track
+    assert tracked.record["movement"] == "moved right by 0.41 of the width"
+    assert tracked.text.endswith("overall: moved right by 0.41 of the width")
     again = call(ImageSession(original=frames[0], frames=frames), "track_object", bbox_2d=start, start_frame=1)
     assert again.record == tracked.record  # the same call, the same track
     gone = frames[:6] + [Image.new("RGB", (160, 120), GROUND)] * 2
     lost = call(ImageSession(original=frames[0], frames=gone), "track_object", bbox_2d=start, start_frame=1)
     assert [step["box"] is None for step in lost.record["track"]] == [False] * 6 + [True] * 2
+    assert lost.record["movement"] == "moved right by 0.19 of the width"  # from frame 1 to frame 6, the last found
+    still = call(ImageSession(original=frames[0], frames=[frames[0]] * 4), "track_object", bbox_2d=start)
+    assert still.record["movement"] == "stayed in place"
 
 
 @pytest.mark.parametrize("tool, arguments, kind, words", [
