@@ -108,7 +108,7 @@ def _status_of(stage: str, output: str) -> str:
 def stream_output(process: subprocess.Popen, on_line: Callable[[str], None] | None, echo: bool,
                   log_path: Path | None = None) -> str:
     """Copy the process's output to our stdout as it comes, through pipelines.console's filter (the stage's
-    lines and progress bars, not the libraries' records), append all of it to `log_path`, and hand complete
+    lines and progress bars, not the libraries' records), append every line to `log_path`, and hand complete
     lines, carriage-return updates collapsed to their last state, to `on_line`; returns the whole output."""
     chunks: list[str] = []
     pending = ""
@@ -116,7 +116,9 @@ def stream_output(process: subprocess.Popen, on_line: Callable[[str], None] | No
     assert process.stdout is not None
     if log_path is not None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
-    with (log_path.open("a", encoding="utf-8") if log_path is not None else nullcontext()) as log:
+    with (log_path.open("a", encoding="utf-8") if log_path is not None else nullcontext()) as log_file:
+        # Every line, the libraries' records too; a bar as a line every 30 s, not thousands of redraws on one.
+        log = ConsoleFilter(log_file, live=False, keep_noise=True) if log_file is not None else None
         while True:
             data = os.read(process.stdout.fileno(), 65536)
             if not data:
@@ -125,7 +127,6 @@ def stream_output(process: subprocess.Popen, on_line: Callable[[str], None] | No
             chunks.append(text)
             if log is not None:
                 log.write(text)
-                log.flush()
             if console is not None:
                 console.write(text)
             pending += text
@@ -134,6 +135,8 @@ def stream_output(process: subprocess.Popen, on_line: Callable[[str], None] | No
                 line = line.rsplit("\r", 1)[-1].rstrip()
                 if line and on_line:
                     on_line(line)
+        if log is not None:
+            log.close()
     if console is not None:
         console.close()
     if pending.strip() and on_line:

@@ -47,7 +47,7 @@ def test_library_records_are_noise_and_stage_lines_are_not():
 
 def test_the_filter_keeps_stage_lines_and_the_last_state_of_a_bar():
     out = io.StringIO()
-    console = ConsoleFilter(out)
+    console = ConsoleFilter(out, live=True)
     text = "\n".join([STAGE_LINES[0], *LIBRARY_LINES[:3], "", "", STAGE_LINES[2]]) + "\n"
     for i in range(0, len(text), 7):  # output arrives in arbitrary chunks
         console.write(text[i:i + 7])
@@ -62,6 +62,23 @@ def test_the_filter_keeps_stage_lines_and_the_last_state_of_a_bar():
     assert "\n\n\n" not in shown  # runs of blank lines fold to one
     assert "\rrl:  50%|#  | 8/16" in shown and shown.rstrip().endswith("rl: 16 steps")
     assert [line.rsplit("\r", 1)[-1] for line in shown.splitlines()][-2:] == ["rl: 100%|## | 16/16", "rl: 16 steps"]
+
+
+def test_written_to_a_file_a_bar_is_a_line_every_interval_and_its_last_state():
+    out, now = io.StringIO(), [0.0]
+    console = ConsoleFilter(out, bar_every_s=30.0, clock=lambda: now[0])
+    assert not console.live  # a StringIO is no terminal
+    console.write("rl: starting\n")
+    for step in range(1, 401):  # 400 redraws over 100 s
+        now[0] = step / 4
+        console.write(f"\rtiny model: perception: {step}/400")
+    console.write("\ndone\n")
+    console.close()
+    lines = out.getvalue().splitlines()
+    assert "\r" not in out.getvalue()
+    assert lines == ["rl: starting", "tiny model: perception: 1/400", "tiny model: perception: 121/400",
+                     "tiny model: perception: 241/400", "tiny model: perception: 361/400",
+                     "tiny model: perception: 400/400", "done"]
 
 
 def test_stream_output_logs_every_byte_and_shows_the_filtered_view(tmp_path, capsys):

@@ -177,6 +177,8 @@ def _rollout_shards(seed: int, params: SynthParams, protocol: Protocol, protocol
     finished = sum(len(chunk) for i, chunk in enumerate(chunks) if i not in todo) * samples
     bar = tqdm(total=len(tasks) * samples, initial=finished, desc=f"synth {params.teacher}", unit="traj",
                disable=not progress)
+    # Kept so far over every shard, finished ones included: the bar's count is the run's, not the last shard's.
+    total_kept = sum(store.manifest(i).get("kept", 0) for i in range(len(chunks)) if i not in todo)
     engine = _make_teacher(seed, params, protocol, rollout, rules.max_turns) if todo else None
     judge = build_judge(params.reward) if todo else None
     try:
@@ -194,8 +196,9 @@ def _rollout_shards(seed: int, params: SynthParams, protocol: Protocol, protocol
             kept = sum(is_kept(t) for t in trajectories)
             store.write(index, trajectories, {"index": index, "tasks": [t.doc_id for t in chunk],
                                               "trajectories": len(trajectories), "kept": kept})
+            total_kept += kept
             bar.update(len(trajectories))
-            bar.set_postfix(kept=kept)
+            bar.set_postfix(kept=total_kept)
     finally:
         bar.close()
         if engine is not None:
@@ -216,12 +219,13 @@ def _import_shards(params: SynthParams, protocol: Protocol, protocol_params: Pro
     from stages.synth.importer import iter_rows, row_to_trajectory
 
     settings = params.import_
-    count = 0
+    count = total_kept = 0
     bar = tqdm(desc="synth import", unit="row", disable=not progress)
     try:
         for index, rows in enumerate(iter_rows(settings.path, settings.batch_rows, settings.limit)):  # type: ignore[arg-type]
             count = index + 1
             if store.is_done(index):
+                total_kept += store.manifest(index).get("kept", 0)
                 bar.update(len(rows))
                 continue
             trajectories, files = [], {}
@@ -234,8 +238,9 @@ def _import_shards(params: SynthParams, protocol: Protocol, protocol_params: Pro
             _judge_and_filter(trajectories, params, protocol, rules, None)
             kept = sum(is_kept(t) for t in trajectories)
             store.write(index, trajectories, {"index": index, "rows": len(rows), "kept": kept}, files)
+            total_kept += kept
             bar.update(len(rows))
-            bar.set_postfix(kept=kept)
+            bar.set_postfix(kept=total_kept)
     finally:
         bar.close()
     return count

@@ -100,10 +100,12 @@ class ShardStore:
         for trajectory in trajectories:  # written relative to the temporary folder, which is now this one
             trajectory.base_dir = self.path(index)
 
+    def manifest(self, index: int) -> dict[str, Any]:
+        """A finished shard's manifest (its counts), without reading its trajectories."""
+        return json.loads((self.path(index) / "manifest.json").read_text(encoding="utf-8"))
+
     def read(self, index: int) -> tuple[list[Trajectory], dict[str, Any]]:
-        folder = self.path(index)
-        manifest = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
-        return read_trajectories(folder / "trajectories.jsonl"), manifest
+        return read_trajectories(self.path(index) / "trajectories.jsonl"), self.manifest(index)
 
     def done(self) -> list[int]:
         return sorted(int(p.name.split("-")[1]) for p in self.root.glob("shard-*") if (p / "manifest.json").is_file())
