@@ -22,7 +22,7 @@ export TOKENIZERS_PARALLELISM := false
 export PYTHONUNBUFFERED := 1
 export DVC_NO_ANALYTICS := 1
 
-.PHONY: run ui test test-slow test-learning test-vllm venv lock clean
+.PHONY: run ui tiny-model test test-slow test-learning test-vllm venv lock clean
 
 # The Prefect flow over dvc.yaml: every stage DVC finds out of date, then a summary and where to look.
 run: $(STAMP)
@@ -31,6 +31,11 @@ run: $(STAMP)
 # MLflow's UI on the workspace's SQLite store (artefacts beside it, or where LOUPE_ARTIFACT_ROOT put them).
 ui: $(STAMP)
 	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(abspath $(WORK))/mlflow.db --host $(UI_HOST) --port $(UI_PORT)
+
+# The embedded tiny model, built once and committed with its files' hashes (assets/tiny-model; the data stage
+# copies it, checked by hash, so the base model is the same on every CPU: docs/learning.md). About 3 minutes.
+tiny-model: $(STAMP)
+	$(VENV)/bin/loupe model tiny --out assets/tiny-model
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -62,9 +62,47 @@ def benchmark_table(metrics: dict[str, Any], benchmark: str) -> str:
     return "\n".join([title, *_columns(lines)])
 
 
-def comparison_table(metrics: dict[str, Any]) -> str:
+def verdict(metrics: dict[str, Any], benchmark: str) -> str:
+    """One line that says what the table shows, so no reader has to compare intervals: each model against
+    chance and against the model before it, where "better" and "worse" need the intervals apart."""
+    entry = metrics[benchmark]
+    chance = entry.get("chance_rate")
+    parts, previous = [], None
+    for model in metrics["models"]:
+        m = entry.get(model, {})
+        accuracy, low, high = m.get("accuracy"), m.get("accuracy_ci_low"), m.get("accuracy_ci_high")
+        if accuracy is None or low is None or high is None:
+            continue
+        claims = []
+        if chance is not None:
+            claims.append("above chance" if low > chance else "below chance" if high < chance else "at chance")
+        if previous is None and m.get("valid_turn_rate") == 0:
+            claims.append("no valid turn: it never learned the dialogue's format")
+        if previous is not None:
+            name, p_low, p_high = previous
+            if low > p_high:
+                claims.append(f"better than {name} (intervals apart)")
+            elif high < p_low:
+                claims.append(f"worse than {name} (intervals apart)")
+            else:
+                claims.append(f"not clearly different from {name} (intervals overlap)")
+        parts.append(f"{model} {accuracy:.3f}, {', '.join(claims)}")
+        previous = (model, low, high)
+    return f"verdict ({benchmark}): " + "; ".join(parts) if parts else f"verdict ({benchmark}): no model was scored"
+
+
+NOTES = ("accuracy: the share of right answers over every sample (Avg@K), with its bootstrap interval; "
+         "pass@K: questions answered right at least once; valid: turns the protocol could read; "
+         "acc@N: accuracy when a dialogue may take at most N turns (acc@1: answering before any tool call).")
+"""What the table's columns mean, printed once under it."""
+
+
+def comparison_table(metrics: dict[str, Any], with_verdict: bool = True) -> str:
     """Every benchmark's block, a blank line apart: accuracy (Avg@K) with its bootstrap interval, pass@K,
-    valid-turn rate, mean turns and accuracy at each turn limit, one row per model."""
+    valid-turn rate, mean turns and accuracy at each turn limit, one row per model; then its verdict line, and
+    the columns' meaning once at the end."""
     if not is_comparison(metrics):
         raise ValueError("not the eval stage's comparison (no models, benchmarks and per-benchmark entries)")
-    return "\n\n".join(benchmark_table(metrics, benchmark) for benchmark in metrics["benchmarks"])
+    blocks = [benchmark_table(metrics, b) + (f"\n{verdict(metrics, b)}" if with_verdict else "")
+              for b in metrics["benchmarks"]]
+    return "\n\n".join(blocks) + "\n" + NOTES

@@ -57,6 +57,10 @@ class ModelParams(Section):
     """Steps of the tiny model's perception pretraining in the data stage (loupe.models.tiny_perception:
     naming the colour of a square in generic pictures, never a task's canvas), so the base model sees as a
     real base model does; 0 leaves it random. About 50 s on 2 cores."""
+    tiny_artifact: str | None = "assets/tiny-model"
+    """The tiny model built once and committed, with its files' hashes (loupe.models.tiny_artifact): the data
+    stage copies it, checked by hash, when it was built with the tiny settings above, so the base model is the
+    same on every CPU; with other settings, or null, the data stage builds and pretrains the model itself."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights' dtype when loading: `auto` is float32 on CPU and bfloat16 on GPU."""
 

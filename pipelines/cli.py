@@ -5,7 +5,9 @@
                                                      a recipe's FILE, or any run with overrides (rl.lr=1e-6),
                                                      runs in work/runs/<name>/ (docs/recipes.md)
     loupe remote                                     LOUPE_DVC_REMOTE (s3://...) as the default DVC remote
-    loupe model tiny --out DIR [--seed N]            build the embedded tiny Qwen2.5-VL offline
+    loupe model tiny --out DIR [--perception-steps N]
+                                                     build the embedded tiny Qwen2.5-VL offline as params.yaml's
+                                                     model section describes, with its hashes (make tiny-model)
     loupe data tasks --out DIR [--params ...]        write the task set params.yaml's `data` section names
     loupe data import FORMAT --train F [--val F | --val-size N] [--test F] --out DIR
                                                      a recipe's published data set as a task folder (without
@@ -30,11 +32,24 @@ from loupe.config import OVERRIDES_ENV, ParamsError, load_section, read_params_f
 
 
 def _cmd_model_tiny(args: argparse.Namespace) -> int:
-    from loupe.models.tiny import build_tiny_model
+    from loupe.config import ModelParams
+    from loupe.models.tiny_artifact import MANIFEST, build_artifact, build_settings
 
+    model = load_section(ModelParams, "model", args.params)
+    settings = build_settings(model.tiny_seed if args.seed is None else args.seed, model.tiny_text_hidden,
+                              model.tiny_text_layers,
+                              model.tiny_perception_steps if args.perception_steps is None else args.perception_steps)
+    from pipelines.dvc_runner import PINNED_CPU_KERNELS
+
+    for name, value in PINNED_CPU_KERNELS.items():  # the kernels the stages compute with (torch is not loaded yet)
+        os.environ.setdefault(name, value)
     started = time.perf_counter()
-    path = build_tiny_model(args.out, seed=args.seed)
-    print(f"tiny model: {path} (built in {time.perf_counter() - started:.1f} s)")
+    command = "loupe model tiny " + " ".join(sys.argv[3:]) if sys.argv[1:3] == ["model", "tiny"] else ""
+    manifest = build_artifact(args.out, settings, command=command, progress=True)
+    accuracy = manifest["perception"].get("held_out_accuracy")
+    print(f"tiny model: {args.out} ({settings}) built in {time.perf_counter() - started:.1f} s"
+          + (f"; held-out colour accuracy {accuracy}" if accuracy is not None else "")
+          + f"; file hashes in {args.out / MANIFEST}")
     return 0
 
 
@@ -211,9 +226,13 @@ def build_parser() -> argparse.ArgumentParser:
     remote.set_defaults(func=_cmd_remote)
 
     model = commands.add_parser("model", help="build models").add_subparsers(dest="kind", required=True)
-    tiny = model.add_parser("tiny", help="build the embedded tiny Qwen2.5-VL offline")
+    tiny = model.add_parser("tiny", help="build the embedded tiny Qwen2.5-VL offline, with its perception "
+                                         "pretraining and a manifest of its files' hashes (loupe.models.tiny_artifact)")
     tiny.add_argument("--out", type=Path, required=True)
-    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--params", default="params.yaml", help="its settings: the model section's tiny_* keys")
+    tiny.add_argument("--seed", type=int, default=None, help="instead of model.tiny_seed")
+    tiny.add_argument("--perception-steps", type=int, default=None,
+                      help="instead of model.tiny_perception_steps (0: the random model, in seconds)")
     tiny.set_defaults(func=_cmd_model_tiny)
 
     data = commands.add_parser("data", help="build task sets").add_subparsers(dest="kind", required=True)

@@ -34,22 +34,40 @@ from loupe.tracking import stage_run
 
 
 def build_tiny(model_out: Path, model: ModelParams, progress: bool = False) -> tuple[int, dict]:
-    """Build the tiny model `model` describes into `model_out` atomically, with its perception pretraining;
-    returns its parameter count and the pretraining's report (empty without pretraining)."""
+    """Put the tiny model `model` describes into `model_out` atomically: the committed artefact
+    (`model.tiny_artifact`, checked by hash) when it was built with the same settings, else built here with its
+    perception pretraining; returns its parameter count and the pretraining's report (empty without one)."""
     from dataclasses import asdict
 
     from safetensors import safe_open
 
     from loupe.models.tiny import build_tiny_model
+    from loupe.models.tiny_artifact import build_settings, copy_artifact, read_manifest
     from loupe.models.tiny_perception import pretrain_perception
 
+    settings = build_settings(model.tiny_seed, model.tiny_text_hidden, model.tiny_text_layers,
+                              model.tiny_perception_steps)
+    artifact = Path(model.tiny_artifact) if model.tiny_artifact else None
+    manifest = read_manifest(artifact) if artifact is not None and artifact.is_dir() else None
+    if artifact is not None and manifest is None:
+        print(f"tiny model: no artefact at {artifact}; building it here (`make tiny-model` writes one)")
+    elif manifest is not None and manifest["build"] != settings:
+        print(f"tiny model: {artifact} was built with {manifest['build']}, the model section asks for {settings}; "
+              "building it here")
     report: dict = {}
     with atomic_directory(model_out) as tmp:
-        build_tiny_model(tmp, seed=model.tiny_seed, text_hidden=model.tiny_text_hidden,
-                         text_layers=model.tiny_text_layers)
-        if model.tiny_perception_steps:
-            report = asdict(pretrain_perception(tmp, steps=model.tiny_perception_steps, seed=model.tiny_seed,
-                                                progress=progress))
+        if manifest is not None and manifest["build"] == settings:
+            copy_artifact(artifact, tmp)  # type: ignore[arg-type]
+            report = {**manifest["perception"], "from_artifact": 1}
+            held_out = manifest["perception"].get("held_out_accuracy")
+            print(f"tiny model: {artifact}, checked by hash (built with torch {manifest['built_with']['torch']} on "
+                  f"{manifest['built_with']['cpu_capability']} kernels; held-out colour accuracy {held_out})")
+        else:
+            build_tiny_model(tmp, seed=model.tiny_seed, text_hidden=model.tiny_text_hidden,
+                             text_layers=model.tiny_text_layers)
+            if model.tiny_perception_steps:
+                report = asdict(pretrain_perception(tmp, steps=model.tiny_perception_steps, seed=model.tiny_seed,
+                                                    progress=progress))
     count = 0
     for weights in model_out.glob("*.safetensors"):
         with safe_open(str(weights), "np") as f:

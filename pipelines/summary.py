@@ -16,11 +16,12 @@ from pipelines.dvc_runner import StageResult, stage_spec
 
 # Metric names that matter most, best first; a stage shows the first few it has (the stages' metrics.json:
 # eval's per-model accuracy (`synthetic.rl.accuracy`, ranked first by `_is_model_accuracy`), rl's last step,
-# sft's final loss, synth's kept trajectories, data's task counts).
-_PREFERRED = ("avg@", "pass@", "last.reward/mean", "last.reward/accuracy", "best_val", "final_loss", "accepted",
-              "records", "tasks.", "accuracy", "reward", "loss", "trajectories", "steps")
+# sft's final loss, synth's kept trajectories, data's tiny model's held-out colour accuracy and task counts).
+_PREFERRED = ("avg@", "pass@", "last.reward/mean", "last.reward/accuracy", "best_val", "held_out_accuracy",
+              "final_loss", "accepted", "records", "tasks.", "accuracy", "reward", "loss", "trajectories", "steps")
 _SKIPPED_KEYS = ("turn_scaling", "seconds", "per_category", "by_category", "categories", "end_reasons", "kinds",
-                 "difficulties", "histogram", "first.", "first_", "patterns.", "_ci_", "bootstrap.")
+                 "difficulties", "histogram", "first.", "first_", "patterns.", "_ci_", "bootstrap.", "from_artifact",
+                 "perception.final_loss", "perception.steps")
 _KEY_METRICS = 3
 
 

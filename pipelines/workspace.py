@@ -6,7 +6,9 @@ with the default pipeline's, and two recipes can be run, compared and rerun side
 
     params.yaml      the recipe's file, merged over its `base` file when it names one (refreshed every run)
     dvc.yaml         the repository's dvc.yaml reshaped by the file's `pipeline` section (`shaped_stages`)
-    loupe, stages, pipelines, params    links to the repository's code and templates (DVC hashes through them)
+    loupe, stages, pipelines, params, assets
+                     links to the repository's code, templates and the committed tiny model (DVC hashes
+                     through them)
     work/            every output, as in the repository
 
 A recipe file may start from another: `base: params/<recipe>.yaml` at its top takes every value of that file
@@ -40,7 +42,7 @@ from loupe.data.families import DataParams
 from loupe.io import atomic_write_text
 from pipelines.params import PipelineParams
 
-LINKS = ("loupe", "stages", "pipelines", "params")
+LINKS = ("loupe", "stages", "pipelines", "params", "assets")
 """Repository folders a workspace reaches through links: the stages' code and the recipes' templates."""
 RUNS = Path("work") / "runs"
 

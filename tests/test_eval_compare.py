@@ -20,7 +20,7 @@ from PIL import Image
 from test_rollout_loop import ScriptedEngine
 
 import stages.eval.__main__ as eval_stage
-from loupe.compare import comparison_table, is_comparison
+from loupe.compare import comparison_table, is_comparison, verdict
 from loupe.data.tasks import TaskRecord
 from pipelines.summary import comparison_text, key_metrics, stage_metrics
 from stages.eval.comparison import bootstrap_interval, compare, question_accuracies
@@ -118,12 +118,27 @@ def test_the_table_has_a_row_per_model_and_the_chance_rate():
     assert lines[0] == "synthetic (4 questions x 2 samples; chance rate 0.500)"
     assert lines[1].split() == ["model", "accuracy", "[95%", "CI]", "pass@2", "valid", "turns", "acc@1", "acc@2",
                                 "acc@4"]
-    assert [line.split()[0] for line in lines[2:]] == ["base", "sft", "rl"]
+    assert [line.split()[0] for line in lines[2:5]] == ["base", "sft", "rl"]
     assert lines[4].split()[:4] == ["rl", "1.000", "[1.000,", "1.000]"]
     for column, cell in (("pass@2", "0.500"), ("valid", "1.00"), ("turns", "1.00"), ("acc@4", "0.500")):
         assert lines[3][lines[1].index(column):].split()[0] == cell, column  # sft's row, under its header
+    # base 0 [0, 0], sft 0.5 [<0.5, >0.5], rl 1 [1, 1] against chance 0.5
+    assert lines[5] == ("verdict (synthetic): base 0.000, below chance; sft 0.500, at chance, not clearly different "
+                        "from base (intervals overlap); rl 1.000, above chance, not clearly different from sft "
+                        "(intervals overlap)")  # four questions: sft's interval reaches both 0 and 1
+    assert lines[-1].startswith("accuracy: the share of right answers") and "acc@1: answering before" in lines[-1]
     with pytest.raises(ValueError):
         comparison_table({"benchmarks": {"synthetic": {}}})  # one model's metrics.json, not a comparison
+
+
+def test_the_verdict_says_overlap_and_a_base_model_without_valid_turns():
+    comparison = comparison_of({"base": [False] * 4, "sft": [True, False, True, False], "rl": [True, True, False, True]})
+    comparison["synthetic"]["base"]["valid_turn_rate"] = 0.0
+    line = verdict(comparison, "synthetic")
+    assert "base 0.000, below chance, no valid turn: it never learned the dialogue's format" in line
+    assert "rl 0.750, at chance, not clearly different from sft (intervals overlap)" in line
+    many = comparison_of({"base": [False] * 40, "rl": [True] * 40})
+    assert verdict(many, "synthetic").endswith("rl 1.000, above chance, better than base (intervals apart)")
 
 
 def test_the_flow_reads_the_table_from_the_metrics_dvc_yaml_declares(tmp_path):
@@ -239,7 +254,8 @@ def test_three_models_each_in_its_folder_then_one_comparison(tmp_path, key_tasks
 
     printed = capsys.readouterr().out.rstrip("\n")
     assert printed.endswith(comparison_table(comparison))  # the output ends with the table
-    assert printed.splitlines()[-1].split()[:2] == ["rl", "1.000"]
+    assert printed.splitlines()[-3].split()[:2] == ["rl", "1.000"]
+    assert printed.splitlines()[-2].startswith("verdict (synthetic): base 0.000")
 
 
 def test_a_bare_model_path_is_named_model(tmp_path, key_tasks, monkeypatch):

@@ -36,6 +36,7 @@ On a GPU node set `rollout.engine: vllm`; against a served model (one model only
 
 from __future__ import annotations
 
+import os
 import argparse
 import gc
 import json
@@ -321,7 +322,10 @@ def _print_comparison(comparison: dict, out_dir: Path) -> None:
         print("\n".join(_summary_lines(metrics, prefix=f"{name} ")))
         print(f"{name} trajectories: {out_dir / name / 'viewer.html'}")
     print(f"metrics: {out_dir / 'metrics.json'}\nplot: {out_dir / 'plots' / 'comparison.png'}\n")
-    print(comparison_table(comparison))
+    if os.environ.get("LOUPE_PARENT_RUN_ID"):  # under the flow: its summary prints the table, once, at the end
+        print("eval: the comparison and its verdict are in the run's summary below")
+    else:
+        print(comparison_table(comparison))
 
 
 def main(argv: list[str] | None = None) -> int:
