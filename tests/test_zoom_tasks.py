@@ -173,6 +173,9 @@ def test_the_oracle_teacher_answers_right_through_the_loop(generated):
     (dict(grid=4, markers=(1, 1)), "location_hint"),
     (dict(view_side=0.05), "view_side"),
     (dict(grid=None, location_hint=False), "bbox_target"),
+    (dict(pointers=True, grid=2, grid_rows=2, markers=(1, 1)), "pointers"),
+    (dict(pointers=True, pointer_colours=("purple", "orange", "red")), "pointer_colours"),
+    (dict(pointers=True, marker_colours=("black", "purple", "orange", "pink")), "marker_colours"),
 ])
 def test_bad_configs_are_refused_by_name(bad, field):
     with pytest.raises(ValidationError, match=field):
@@ -198,3 +201,46 @@ def test_layout_geometry_is_consistent_for_free_placement():
         x0, y0, x1, y1 = record.bbox
         px = layout["patches"][0] if cfg.bbox_target == "patch" else layout["frames"][0]
         assert math.floor(x0 * image.width) <= px[0] and math.ceil(x1 * image.width) >= px[2]
+
+
+def _inside(box_px, box_rel, image) -> bool:
+    x0, y0, x1, y1 = box_px
+    bx0, by0, bx1, by1 = box_rel
+    return (bx0 * image.width <= x0 and x1 <= bx1 * image.width and by0 * image.height <= y0
+            and y1 <= by1 * image.height)
+
+
+def test_a_pointer_task_points_from_the_named_frame_to_the_answer():
+    cfg = ZoomTaskConfig(pointers=True)
+    targets = Counter()
+    for index in range(24):
+        record, image, layout = draw_zoom_task(cfg, "train", index)
+        pixels = np.asarray(image)
+        named, target = layout["named"], layout["target"]
+        other = ({0, 1, 2} - {named, target}).pop()
+        colour = lambda cell: tuple(int(v) for v in pixels[(layout["patches"][cell][1] + layout["patches"][cell][3]) // 2,
+                                                            (layout["patches"][cell][0] + layout["patches"][cell][2]) // 2])  # noqa: E731
+        assert colour(named) == PALETTE[cfg.pointer_colours[target]]  # the pointer's colour names the target's cell
+        assert colour(target) == PALETTE[record.solution]
+        assert colour(other) in {PALETTE[c] for c in cfg.colours} and colour(other) != PALETTE[record.solution]
+        assert f" {CELL_NAMES[(1, 3)][named]} of the image points to" in record.problem
+        assert _inside(layout["frames"][named], record.waypoints[0].bbox, image)  # the first look: the pointer
+        assert _inside(layout["frames"][target], record.bbox, image)  # the second: the answer
+        assert cfg.pointer_colours[target] in record.waypoints[0].seen
+        assert not set(layout["frame_colours"]) & set(cfg.pointer_colours)
+        targets[target - named] += 1
+    assert set(targets) == {-2, -1, 1, 2}  # every direction occurs
+
+
+def test_the_oracle_follows_the_pointer_in_three_turns(tmp_path):
+    out = tmp_path / "tasks"
+    generate_zoom_tasks(out, ZoomTaskConfig(pointers=True, train=6, val=0, test=0))
+    tasks = read_tasks(out / "train.jsonl")
+    engine = OracleEngine(OracleParams(patterns={"direct": 1.0}), get_protocol("mini_o3"), seed=0, max_turns=4)
+    engine.prepare(tasks, 1)
+    for trajectory in run_rollouts(tasks, engine, PROTOCOL, out, samples_per_task=1, max_new_tokens=96):
+        assert trajectory.end_reason == "answered" and trajectory.num_tool_calls == 2
+        assert score_trajectory(trajectory, RewardConfig()).accuracy == 1.0
+        calls = [t.call["arguments"]["bbox_2d"] for t in trajectory.turns if t.call]
+        assert calls == [trajectory.task["waypoints"][0]["bbox"], trajectory.task["bbox"]]
+        assert "pointer: the answer is" in trajectory.turns[3].text

@@ -60,6 +60,25 @@ class TaskRecordError(ValueError):
     """A task record that cannot be used; the message names file, line and field."""
 
 
+class Waypoint(BaseModel):
+    """One place a search must look at on its way to the answer."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    bbox: list[float]
+    """Where, relative [x0, y0, x1, y1] on the first image."""
+    seen: str = Field(min_length=1)
+    """What a look there shows, in words a teacher can say ("a purple pointer to the frame on the left")."""
+
+    @field_validator("bbox")
+    @classmethod
+    def _relative_box(cls, box: list[float]) -> list[float]:
+        if len(box) != 4 or not all(math.isfinite(v) and 0.0 <= v <= 1.0 for v in box) or box[2] <= box[0] \
+                or box[3] <= box[1]:
+            raise ValueError("must be four numbers in [0, 1] with x0 < x1 and y0 < y1")
+        return box
+
+
 class TaskRecord(BaseModel):
     """One question about one or more images, or about none (text-only)."""
 
@@ -89,6 +108,9 @@ class TaskRecord(BaseModel):
     (`loupe.video.read_clip`) and shows them as the question's images, one placeholder each, so a video task
     lists no `images` and its `problem` holds no placeholder; `select_frames` and `track_object` work on them.
     A video task's `bbox` is on its first frame."""
+    waypoints: list["Waypoint"] | None = None
+    """Places to look at, in order, before `bbox` (a pointer task's pointer, loupe.data.zoom_tasks): the search
+    path the oracle teacher follows, each with what it shows; None: `bbox` is the only place."""
     operation: str | None = None
     """The visual operation that answers the question (a name in loupe.visual_ops: `read_text`, `segment_at`,
     `track_object`), for the oracle teacher, which calls it on `bbox`; None: a crop answers it, or nothing."""

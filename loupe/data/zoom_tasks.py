@@ -122,6 +122,15 @@ class ZoomTaskConfig(SplitConfig):
     is then read from the question and what to answer from the crop, which the tiny model learns in minutes
     (docs/learning.md). False: the frame must be found by sight, a harder setting. Needs a grid named in
     CELL_NAMES (1x2, 1x3, 2x2, 3x3)."""
+    pointers: bool = False
+    """Two zooms, not one: a frame in each of the three cells of the row; the question names a cell whose frame
+    holds a **pointer**, a patch whose colour names the cell holding the answer (`pointer_colours`, in cell
+    order); the third frame holds a patch of another answer colour. A look at the pointer alone shows no answer,
+    and a guess of where to look is wrong half the time: the search is zoom, read the pointer, zoom again,
+    answer. Needs one row of three cells with the location hint and view boxes (the default layout)."""
+    pointer_colours: tuple[ColourName, ColourName, ColourName] = ("purple", "orange", "pink")
+    """The pointer colours that name the left, middle and right cell; none may be an answer colour, and frames
+    take colours from `marker_colours` that are not pointer colours."""
     png_compress_level: int = Field(1, ge=0, le=9)
     """zlib level of the saved PNGs: lower is faster and larger; pixels are the same at every level."""
 
@@ -160,6 +169,14 @@ class ZoomTaskConfig(SplitConfig):
         if self.grid is not None and self.grid_shape[0] * self.grid_shape[1] < self.markers[1]:
             raise ValueError(f"grid: {self.grid_shape[0]}x{self.grid_shape[1]} cells cannot hold "
                              f"{self.markers[1]} frames")
+        if self.pointers:
+            if self.grid_shape != (1, 3) or not self.location_hint or self.bbox_target != "view":
+                raise ValueError("pointers: a pointer names one of three cells in a row; use grid 3, grid_rows 1, "
+                                 "location_hint true and bbox_target view")
+            if set(self.pointer_colours) & set(self.colours) or len(set(self.pointer_colours)) < 3:
+                raise ValueError("pointer_colours: three distinct colours, none of them an answer colour")
+            if len(set(self.marker_colours) - set(self.pointer_colours)) < 3:
+                raise ValueError("marker_colours: three frame colours that are not pointer colours are needed")
         inner = self.marker_size[0] * (1 - 2 * self.frame_width)
         if self.patch_size[1] > 0.6 * inner:
             raise ValueError("patch_size: the largest patch must fit well inside the smallest frame's opening "
@@ -236,6 +253,8 @@ def _relative_box(box: Box, width: int, height: int) -> list[float]:
 
 def draw_zoom_task(cfg: ZoomTaskConfig, split: str, index: int) -> tuple[TaskRecord, Image.Image, dict]:
     """Task `index` of `split`: its record, its canvas, and the layout (pixel boxes of frames, patches, decoys)."""
+    if cfg.pointers:
+        return draw_pointer_task(cfg, split, index)
     rng = np.random.default_rng([cfg.seed, _SPLIT_STREAMS[split], index])
     count = int(rng.integers(cfg.markers[0], cfg.markers[1] + 1))
     drawn = _pick(rng, cfg.colours)  # drawn either way, so `balanced_answers` changes nothing else
@@ -311,6 +330,79 @@ def draw_zoom_task(cfg: ZoomTaskConfig, split: str, index: int) -> tuple[TaskRec
     )
     layout = {"frames": frames, "patches": patches, "decoys": decoys, "frame_colours": frame_colours,
               "patch_colours": patch_colours, "answer": answer}
+    return record, canvas.image, layout
+
+
+def _scatter_decoys(rng: np.random.Generator, cfg: ZoomTaskConfig, canvas: Canvas, patch: int) -> list[Box]:
+    """Patches of the answer colours away from everything reserved, so the overview's colours say nothing."""
+    decoys = []
+    footprint = (-(patch // 2), -(patch // 2), patch - patch // 2, patch - patch // 2)
+    for _ in range(int(rng.integers(cfg.decoys[0], cfg.decoys[1] + 1))):
+        centre = canvas.find_centre(rng, footprint, 2 * patch, 2, tries=12)
+        if centre is None:
+            continue
+        square = _square(centre, patch)
+        canvas.draw.rectangle([square[0], square[1], square[2] - 1, square[3] - 1], fill=PALETTE[_pick(rng, cfg.colours)])
+        canvas.reserve(square, 2 * patch)
+        decoys.append(square)
+    return decoys
+
+
+def _article(word: str) -> str:
+    return "an" if word[0] in "aeiou" else "a"
+
+
+def draw_pointer_task(cfg: ZoomTaskConfig, split: str, index: int) -> tuple[TaskRecord, Image.Image, dict]:
+    """A two-zoom task (`pointers`): the named cell's frame holds a pointer to the cell whose frame holds the
+    answer; the third frame a patch of another answer colour. Its record's `waypoints` is the pointer's view box,
+    its `bbox` the answer's."""
+    rng = np.random.default_rng([cfg.seed, _SPLIT_STREAMS[split], index])
+    drawn = _pick(rng, cfg.colours)
+    answer = cfg.colours[(index + cfg.seed) % len(cfg.colours)] if cfg.balanced_answers else drawn
+    width, height = (int(v) for v in rng.integers(cfg.canvas_side[0], cfg.canvas_side[1] + 1, size=2))
+    short = min(width, height)
+    canvas = Canvas(textured_background(rng, width, height))
+    side = max(12, round(rng.uniform(*cfg.marker_size) * short))
+    patch = max(2, round(rng.uniform(*cfg.patch_size) * short))
+    named = int(rng.integers(3))
+    target, other = (int(c) for c in rng.permutation([c for c in range(3) if c != named]))
+    frame_choices = [c for c in cfg.marker_colours if c not in cfg.pointer_colours]
+    frame_colours = [frame_choices[i] for i in rng.permutation(len(frame_choices))[:3].tolist()]
+    decoy_colour = _pick(rng, [c for c in cfg.colours if c != answer])
+    fills = {named: cfg.pointer_colours[target], target: answer, other: decoy_colour}
+    frames, patches = [], []
+    border = max(2, round(cfg.frame_width * side))
+    for cell in range(3):
+        centre = (round((cell + 0.5) * width / 3), round(height / 2))
+        frame = _square(centre, side)
+        canvas.draw_frame(frame, frame_colours[cell], border)
+        square = _square(centre, patch)
+        canvas.draw.rectangle([square[0], square[1], square[2] - 1, square[3] - 1], fill=PALETTE[fills[cell]])
+        canvas.reserve(frame, max(patch, side // 4))
+        vx0, vy0, vx1, vy1 = _view_box(cell, (1, 3), cfg.view_side)
+        canvas.reserve((int(vx0 * width), int(vy0 * height), math.ceil(vx1 * width), math.ceil(vy1 * height)))
+        frames.append(frame)
+        patches.append(square)
+    decoys = _scatter_decoys(rng, cfg, canvas, patch)
+    cells = CELL_NAMES[(1, 3)]
+    where = lambda cell: f"{CELL_PREPOSITIONS.get(cells[cell], 'in')} the {cells[cell]}"  # noqa: E731
+    code = ", ".join(f"{colour} {where(cell).split(' ', 1)[1]}" for cell, colour in enumerate(cfg.pointer_colours))
+    problem = (f"What colour is the small square in the frame the pointer {where(named)} of the image points to? "
+               f"A pointer's colour names its frame: {code}. Answer with one colour word.")
+    record = TaskRecord(
+        doc_id=f"zoom-{split}-{index:06d}",
+        images=[f"images/{split}/{index:06d}.png"],
+        problem=problem,
+        solution=answer,
+        data_source=DATA_SOURCE,
+        category="zoom/pointer",
+        bbox=_view_box(target, (1, 3), cfg.view_side),
+        waypoints=[{"bbox": _view_box(named, (1, 3), cfg.view_side),
+                    "seen": f"{_article(cfg.pointer_colours[target])} {cfg.pointer_colours[target]} pointer: the "
+                            f"answer is {where(target)}"}],
+    )
+    layout = {"frames": frames, "patches": patches, "decoys": decoys, "frame_colours": frame_colours,
+              "patch_colours": [fills[c] for c in range(3)], "answer": answer, "named": named, "target": target}
     return record, canvas.image, layout
 
 

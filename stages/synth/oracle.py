@@ -11,6 +11,9 @@ exactly what a model would have produced. Per trajectory it draws a search plan 
 - `observation_zoom`: a wide look, then zooms into the observation rather than the original (3+ turns);
 - `reason`: tasks with no target box but a worked `rationale` (the recipe families: arithmetic, counting,
   geometry) are answered at once, the rationale as the reasoning (1 turn);
+- `follow`: tasks with a search path (`waypoints`: a pointer task's pointer, loupe.data.zoom_tasks) get a look
+  at each waypoint, what it showed said in the next turn, then the look at the target (3+ turns); `glance`
+  weighs against `direct` for them;
 - `operate`: tasks that name a visual `operation` (loupe.data.operation_tasks) get that operation's calls on
   their `bbox`: `read_text` on a sign's box, `segment_at` on an object's centre then `get_properties` on its
   mask, `track_object` from a square's box on the first frame; then the answer the result gives (2-3 turns).
@@ -58,13 +61,16 @@ class Look:
     """One planned zoom."""
 
     role: str
-    """`wrong` (a region without the target), `wide` (holds the target, too coarse), or `close` (answerable)."""
+    """`wrong` (a region without the target), `wide` (holds the target, too coarse), `waypoint` (a place the
+    task's search path passes: a pointer), or `close` (answerable)."""
     region: Box
     """What the crop shows, relative to the original image."""
     source: int
     """0 for the original image, N for observation N."""
     box: Box
     """The call's box, relative to the source."""
+    seen: str = ""
+    """What a `waypoint` look shows (the task's words), said in the turn after it."""
 
 
 @dataclass
@@ -240,6 +246,18 @@ def draw_plan(target: Box, params: OracleParams, max_turns: int, rng: random.Ran
     return Plan(pattern, looks)
 
 
+def follow_plan(task: TaskRecord, params: OracleParams, rng: random.Random) -> Plan:
+    """A task with a search path (`waypoints`, a pointer task): `follow` looks at each waypoint, then at the
+    target, then answers; or a `glance` as often as `patterns` says (its weight against `direct`'s: a path is
+    the direct search of such a task)."""
+    follow, glance = params.patterns.get("direct", 0.0), params.patterns.get("glance", 0.0)
+    if glance > 0 and rng.random() < glance / (follow + glance):
+        return Plan("glance", [])
+    looks = [Look("waypoint", tuple(w.bbox), 0, tuple(w.bbox), w.seen) for w in task.waypoints or []]
+    target = tuple(task.bbox or (0.0, 0.0, 1.0, 1.0))
+    return Plan("follow", looks + [Look("close", target, 0, target)])  # type: ignore[arg-type]
+
+
 def _close_look(target: Box, params: OracleParams, rng: random.Random, frame: Box | None, source: int) -> Look:
     close = _around(target, rng.uniform(*params.close_margin), params.min_close_side)
     return Look("close", close, source, close if frame is None else _within(close, frame))
@@ -300,6 +318,8 @@ class OracleEngine(Engine):
         rng = random.Random(f"loupe-oracle/{self.seed}/{task.doc_id}/{k}")
         if task.operation is not None:
             plan = Plan("operate", [], operation_calls(task))
+        elif task.waypoints:
+            plan = follow_plan(task, self.params, rng)
         elif task.bbox is None:
             plan = Plan("reason", [])
         else:
@@ -366,6 +386,8 @@ class OracleEngine(Engine):
             n = state.observations
             if previous.role == "wrong":
                 sentences = words.after_miss(n, area_name(previous.region), area_name(look.region))
+            elif previous.role == "waypoint":
+                sentences = words.after_waypoint(n, previous.seen, area_name(look.region))
             else:
                 in_view = area_name(_within(look.region, previous.region))
                 sentences = words.after_spot(n, in_view, look.source or None)

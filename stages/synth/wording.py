@@ -130,6 +130,13 @@ CONFIRM = (
 )
 
 
+FOLLOW = (
+    "Zooming into the {area}.",
+    "I'll look at the {area} next.",
+    "Let me zoom into the {area} there.",
+)
+"""What the oracle says before its look at the place a waypoint pointed to."""
+
 OPERATE = {
     "read_text": (
         "The letters on the sign in the {area} are too small to read here; I'll read its text.",
@@ -221,6 +228,10 @@ class Wording:
         else:
             seen = self._fill(SEEN_FREE, n=n, text=text)
         return self._kept([seen, self._fill(CONFIRM, optional=True)])
+
+    def after_waypoint(self, n: int, seen: str, next_area: str) -> list[Sentence]:
+        return [Sentence(f"Observation {n} shows {seen}.", f"Observation {n} shows {seen}."),
+                self._fill(FOLLOW, area=next_area)]
 
     def operate(self, operation: str, area: str, mask: str = "") -> list[Sentence]:
         return [self._fill(OPERATE[operation], area=area, mask=mask)]
