@@ -40,6 +40,8 @@ tiny-model: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# Heavier end-to-end tests (hours on 2 cores): every preset's CPU twin end to end, the container builds, the
+# cluster paths; some build .venv-vllm (about 7 GB). PYTEST_ARGS="-k pixelis" runs one twin.
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 

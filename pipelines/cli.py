@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -147,6 +148,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     ran = [r["stage"] for r in rows if r["status"].startswith("ran")]
     print(f"\n{len(rows)} stages in {time.perf_counter() - started:.0f} s; ran: {', '.join(ran) or 'none'}")
     print("Look further:")
+    scripts = Path(sys.executable).parent
+    if shutil.which("dvc") != str(scripts / "dvc"):  # `make run` does not put the venv on the shell's PATH
+        print(f"  (the commands below are in {scripts}: run `source {scripts / 'activate'}` first)")
     print("  dvc metrics show                 every stage's metrics (dvc plots show: the curves, as HTML)")
     if root == repo:
         print("  make ui                          the MLflow UI on work/mlflow.db: the pipeline run and one child")
