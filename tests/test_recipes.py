@@ -104,6 +104,17 @@ def test_a_cpu_twin_differs_from_its_gpu_preset_only_in_keys_it_lists_as_scaled(
         "\n".join(unlisted)
 
 
+def test_the_pixelis_operations_twin_changes_only_the_keys_it_lists_on_the_pixelis_twin():
+    variant, twin = (_leaves(read_recipe(ROOT, ROOT / "params" / f"{name}.yaml"))
+                     for name in ("pixelis-operations-cpu", "pixelis-cpu"))
+    changed = {path for path in set(variant) | set(twin) if variant.get(path, _ABSENT) != twin.get(path, _ABSENT)}
+    scaled = scaled_keys(ROOT / "params" / "pixelis-operations-cpu.yaml")
+    assert read_params_file(ROOT / "params" / "pixelis-operations-cpu.yaml")["base"] == "params/pixelis-cpu.yaml"
+    assert changed and all(any(_under(path, key) for key in scaled) for path in changed), sorted(changed)
+    assert all(any(_under(path, key) for path in changed) for key in scaled), scaled
+    assert variant["data.operations.train"] == 256 and variant["data.family"] == "mixed"
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_every_scaled_key_of_a_cpu_twin_really_differs(recipe):
     differences = _twin_differences(recipe)
