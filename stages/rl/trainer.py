@@ -605,6 +605,13 @@ class Trainer:
             "val/questions": summary["questions"],
         }
 
+    def _validate_shown(self, bar: tqdm, step: int) -> dict[str, Any]:
+        """`validate`, said on the progress bar while it runs (a pass over the val questions takes a while)."""
+        bar.set_postfix_str(f"validating on {len(self.inputs.val)} questions x {self.params.val_samples}", refresh=True)
+        row = self.validate(step)
+        bar.set_postfix_str(f"val acc={_fmt(row.get('val/accuracy'))}", refresh=True)
+        return row
+
     def _checkpoint(self, step: int) -> None:
         state = {"stream_position": self.stream.position, "seed": self.inputs.seed}
         extras = {PIXELIS_STATE: self.pixelis.state_bytes()} if self.pixelis is not None else {}
@@ -626,12 +633,12 @@ class Trainer:
         try:
             bar = tqdm(total=p.steps, initial=self.step, desc="rl", unit="step", disable=not self.progress)
             if p.val_every and p.val_before_train and self.step == 0:
-                self._record(self.validate(0))
+                self._record(self._validate_shown(bar, 0))
             for step in range(self.step + 1, p.steps + 1):
                 row = self.train_step(step)
                 self._record(row)
                 if self._due(p.val_every, step):
-                    self._record(self.validate(step))
+                    self._record(self._validate_shown(bar, step))
                 if self._due(p.sample_trajectories_every, step):
                     render_html(self.last_batch, self.out_dir / "samples" / f"step_{step:06d}.html",
                                 title=f"rl step {step}", max_trajectories=p.viewer_trajectories)
