@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -80,3 +81,12 @@ def atomic_directory(final: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def file_digest(path: Path, algorithm: str = "sha256") -> str:
+    """A file's hex digest with hashlib's `algorithm`, read in 1 MiB blocks."""
+    digest = hashlib.new(algorithm)
+    with Path(path).open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

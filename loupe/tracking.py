@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loupe.io import file_digest
+
 PARENT_RUN_ENV = "LOUPE_PARENT_RUN_ID"
 EXPERIMENT_ENV = "LOUPE_EXPERIMENT"
 DEFAULT_EXPERIMENT = "loupe"
@@ -199,14 +201,6 @@ def _records(file: Path, fmt: str) -> int:
     return len(data) if isinstance(data, list) else 1
 
 
-def _file_md5(path: Path) -> str:
-    md5 = hashlib.md5()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            md5.update(block)
-    return md5.hexdigest()
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Runs.
 
@@ -251,7 +245,7 @@ class StageRun:
         path = Path(path).resolve()
         fmt = "tasks" if path.suffix == ".jsonl" else "sharegpt"
         dataset = MetaDataset(LocalArtifactDatasetSource(str(path)), name=name or path.stem,
-                              digest=(digest or _file_md5(path))[:32])
+                              digest=(digest or file_digest(path, "md5"))[:32])
         self._mlflow.log_input(dataset, context=context,
                                tags={"format": fmt, "records": str(_records(path, fmt))})
 

@@ -57,7 +57,7 @@ def build_tiny(model_out: Path, model: ModelParams, progress: bool = False) -> t
     report: dict = {}
     with atomic_directory(model_out) as tmp:
         if manifest is not None and manifest["build"] == settings:
-            copy_artifact(artifact, tmp)  # type: ignore[arg-type]
+            copy_artifact(artifact, tmp, manifest)  # type: ignore[arg-type]
             report = {**manifest["perception"], "from_artifact": 1}
             held_out = manifest["perception"].get("held_out_accuracy")
             print(f"tiny model: {artifact}, checked by hash (built with torch {manifest['built_with']['torch']} on "

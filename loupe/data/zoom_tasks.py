@@ -290,16 +290,7 @@ def draw_zoom_task(cfg: ZoomTaskConfig, split: str, index: int) -> tuple[TaskRec
         for cell in cells:
             vx0, vy0, vx1, vy1 = _view_box(cell, cfg.grid_shape, cfg.view_side)
             canvas.reserve((int(vx0 * width), int(vy0 * height), math.ceil(vx1 * width), math.ceil(vy1 * height)))
-    decoys = []
-    footprint = (-(patch // 2), -(patch // 2), patch - patch // 2, patch - patch // 2)
-    for _ in range(int(rng.integers(cfg.decoys[0], cfg.decoys[1] + 1))):
-        centre = canvas.find_centre(rng, footprint, 2 * patch, 2, tries=12)
-        if centre is None:
-            continue
-        square = _square(centre, patch)
-        canvas.draw.rectangle([square[0], square[1], square[2] - 1, square[3] - 1], fill=PALETTE[_pick(rng, cfg.colours)])
-        canvas.reserve(square, 2 * patch)
-        decoys.append(square)
+    decoys = _scatter_decoys(rng, cfg, canvas, patch)
 
     where = ""
     if cfg.location_hint:

@@ -22,17 +22,18 @@ matches the `model` section's tiny settings, and builds the model as before when
 width or step count), saying so. dvc.yaml lists the artefact as the data stage's dependency, so DVC records its
 hash in dvc.lock and a rebuilt artefact reruns the pipeline.
 
-Hashes are computed with hashlib; no library checks a folder against a manifest more simply.
+Hashes are hashlib's (loupe.io.file_digest); no library checks a folder against a manifest more simply.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+
+from loupe.io import file_digest
 
 MANIFEST = "loupe-tiny.json"
 """The manifest's file name inside the artefact folder."""
@@ -43,11 +44,7 @@ class ArtifactError(ValueError):
 
 
 def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    return file_digest(path)
 
 
 def build_settings(seed: int, text_hidden: int, text_layers: int, perception_steps: int) -> dict[str, int]:
@@ -105,9 +102,10 @@ def read_manifest(folder: str | Path) -> dict[str, Any]:
     return manifest
 
 
-def copy_artifact(folder: str | Path, out_dir: str | Path) -> dict[str, Any]:
-    """Copy a checked artefact's model files (not its manifest) into `out_dir`; returns the manifest."""
-    manifest = read_manifest(folder)
+def copy_artifact(folder: str | Path, out_dir: str | Path, manifest: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Copy an artefact's model files (not its manifest) into `out_dir`; returns the manifest. `manifest`: one
+    `read_manifest` already checked (the files are not hashed a second time); None checks them here."""
+    manifest = read_manifest(folder) if manifest is None else manifest
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in manifest["files"]:

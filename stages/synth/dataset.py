@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from loupe.images import decodes_plainly, open_image
-from loupe.io import atomic_directory, atomic_write_json
+from loupe.io import atomic_directory, atomic_write_json, file_digest
 from loupe.protocol import to_sharegpt
 from loupe.trajectory import Trajectory, read_trajectories, write_trajectories
 
@@ -120,14 +120,6 @@ class DatasetSummary:
     image_bytes: int
 
 
-def _file_digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _link_or_copy(source: Path, target: Path) -> None:
     try:
         os.link(source, target)
@@ -155,7 +147,7 @@ def write_llamafactory_dataset(trajectories: Iterable[Trajectory], folder: str |
                 if source_path not in placed:
                     if not source_path.is_file():
                         raise FileNotFoundError(f"trajectory {trajectory.traj_id}: image {source_path} not found")
-                    digest = _file_digest(source_path)
+                    digest = file_digest(source_path)
                     plain = decodes_plainly(source_path)
                     suffix = source_path.suffix.lower() or ".png"
                     relative = f"images/{digest[:24]}{suffix if plain else '.upright.png'}"
