@@ -58,6 +58,9 @@ CELL_NAMES = {
 image": the tiny model learns to read the word just before the phrase that follows a cell's name and misses
 one a word further back ("upper" in "upper left part", "left" in "left side"; docs/learning.md)."""
 
+TOO_SMALL_TO_READ = "a tiny square"
+"""What the first zoom of a depth-2 task shows, in the oracle's words."""
+
 CELL_PREPOSITIONS = {"left": "on", "right": "at"}
 """The word before "the <cell>" in a one-row question ("on the left", "in the middle", "at the right"; "in" for
 every other cell). A side with a preposition of its own is read where "on the left" / "on the right" are not:
@@ -131,10 +134,21 @@ class ZoomTaskConfig(SplitConfig):
     pointer_colours: tuple[ColourName, ColourName, ColourName] = ("purple", "orange", "pink")
     """The pointer colours that name the left, middle and right cell; none may be an answer colour, and frames
     take colours from `marker_colours` that are not pointer colours."""
+    depth: Literal[1, 2] = 1
+    """Zooms the answer needs. 1: the patch (`patch_size`) is legible in a zoom on its cell's view box. 2 (a zoom
+    into a zoom): the answer patch is `inner_patch_size`, still a few pixels in that zoom, and legible only in a
+    second zoom into the centre of that observation (`inner_view_side`); decoys keep `patch_size`. Needs
+    `bbox_target: view` and one frame."""
+    inner_patch_size: tuple[Fraction, Fraction] = (0.0055, 0.0065)
+    """[min, max] side of the answer patch at depth 2: about as many pixels in the first zoom (a view box of side
+    0.16) as a depth-1 patch has in the overview, a third of the second zoom."""
+    inner_view_side: float = Field(0.12, gt=0, lt=1)
+    """Side of the second zoom's box at depth 2, relative to the first zoom's observation, around its centre (the
+    frame's centre): the same box on every task, so the second zoom needs no reading, only the habit."""
     png_compress_level: int = Field(1, ge=0, le=9)
     """zlib level of the saved PNGs: lower is faster and larger; pixels are the same at every level."""
 
-    @field_validator("canvas_side", "markers", "marker_size", "patch_size", "decoys")
+    @field_validator("canvas_side", "markers", "marker_size", "patch_size", "decoys", "inner_patch_size")
     @classmethod
     def _range_is_ordered(cls, value: tuple, info: ValidationInfo) -> tuple:
         if value[0] > value[1]:
@@ -177,6 +191,14 @@ class ZoomTaskConfig(SplitConfig):
                 raise ValueError("pointer_colours: three distinct colours, none of them an answer colour")
             if len(set(self.marker_colours) - set(self.pointer_colours)) < 3:
                 raise ValueError("marker_colours: three frame colours that are not pointer colours are needed")
+        if self.depth == 2:
+            if self.bbox_target != "view" or self.grid is None or self.markers != (1, 1) or self.pointers:
+                raise ValueError("depth: 2 zooms into the frame's view box; use bbox_target view, a grid, markers "
+                                 "[1, 1] and pointers false")
+            reach = self.grid_jitter / min(self.grid_shape) + self.inner_patch_size[1] / 2 + 0.005  # + 2-decimal rounding
+            if reach > self.inner_view_side * self.view_side / 2:
+                raise ValueError(f"inner_view_side: {self.inner_view_side} of a {self.view_side} view box cannot hold "
+                                 f"a patch {reach:.4f} from the box's centre; widen it or set grid_jitter 0")
         inner = self.marker_size[0] * (1 - 2 * self.frame_width)
         if self.patch_size[1] > 0.6 * inner:
             raise ValueError("patch_size: the largest patch must fit well inside the smallest frame's opening "
@@ -245,6 +267,20 @@ def _view_box(cell: int, shape: tuple[int, int], side: float) -> list[float]:
     return [box[0][0], box[1][0], box[0][1], box[1][1]]
 
 
+def _centre_of(box: list[float], side: float) -> list[float]:
+    """The box of relative side `side` around the centre of `box`, in the same coordinates as `box`: the region
+    a zoom of box [c - side/2, c + side/2] into `box`'s observation shows (its call's box: `inner_box(side)`)."""
+    (lo, hi) = inner_box(side)[0::2]
+    w, h = box[2] - box[0], box[3] - box[1]
+    return [box[0] + lo * w, box[1] + lo * h, box[0] + hi * w, box[1] + hi * h]
+
+
+def inner_box(side: float) -> list[float]:
+    """The centred box of relative side `side`, 2 decimals: the second zoom of a depth-2 task, on its observation."""
+    lo, hi = round(0.5 - side / 2, 2), round(0.5 + side / 2, 2)
+    return [lo, lo, hi, hi]
+
+
 def _relative_box(box: Box, width: int, height: int) -> list[float]:
     # Rounded outward to 4 decimals, so the stored box still covers every pixel of the box.
     return [max(0.0, math.floor(box[0] / width * 1e4) / 1e4), max(0.0, math.floor(box[1] / height * 1e4) / 1e4),
@@ -275,12 +311,14 @@ def draw_zoom_task(cfg: ZoomTaskConfig, split: str, index: int) -> tuple[TaskRec
 
     frame_colours = [cfg.marker_colours[i] for i in rng.permutation(len(cfg.marker_colours))[:count].tolist()]
     patch_colours = [answer] + [_pick(rng, cfg.colours) for _ in range(count - 1)]
+    # Drawn only at depth 2, so depth-1 canvases stay what they were.
+    answer_patch = max(2, round(rng.uniform(*cfg.inner_patch_size) * short)) if cfg.depth == 2 else patch
     border = max(2, round(cfg.frame_width * side))
     frames, patches = [], []
     for centre, frame_colour, patch_colour in zip(centres, frame_colours, patch_colours):
         frame = _square(centre, side)
         canvas.draw_frame(frame, frame_colour, border)
-        square = _square(centre, patch)
+        square = _square(centre, answer_patch)
         canvas.draw.rectangle([square[0], square[1], square[2] - 1, square[3] - 1], fill=PALETTE[patch_colour])
         canvas.reserve(frame, max(patch, side // 4))
         frames.append(frame)
@@ -305,8 +343,12 @@ def draw_zoom_task(cfg: ZoomTaskConfig, split: str, index: int) -> tuple[TaskRec
         solution, problem = OPTION_LETTERS[options.index(answer)], ask
     else:
         options, solution, problem = None, answer, f"{ask} Answer with one colour word."
+    waypoints = None
     if cfg.bbox_target == "view":
         bbox = _view_box(cells[0], cfg.grid_shape, cfg.view_side)
+        if cfg.depth == 2:  # the view box becomes a waypoint; the answer is in the centre of its observation
+            waypoints = [{"bbox": bbox, "seen": TOO_SMALL_TO_READ}]
+            bbox = _centre_of(bbox, cfg.inner_view_side)
     else:
         bbox = _relative_box(frames[0] if cfg.bbox_target == "marker" else patches[0], width, height)
     record = TaskRecord(
@@ -316,8 +358,9 @@ def draw_zoom_task(cfg: ZoomTaskConfig, split: str, index: int) -> tuple[TaskRec
         solution=solution,
         data_source=DATA_SOURCE,
         options=options,
-        category=f"zoom/{'single' if count == 1 else 'multi'}",
+        category="zoom/nested" if cfg.depth == 2 else f"zoom/{'single' if count == 1 else 'multi'}",
         bbox=bbox,
+        waypoints=waypoints,
     )
     layout = {"frames": frames, "patches": patches, "decoys": decoys, "frame_colours": frame_colours,
               "patch_colours": patch_colours, "answer": answer}

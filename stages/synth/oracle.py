@@ -12,7 +12,8 @@ exactly what a model would have produced. Per trajectory it draws a search plan 
 - `reason`: tasks with no target box but a worked `rationale` (the recipe families: arithmetic, counting,
   geometry) are answered at once, the rationale as the reasoning (1 turn);
 - `follow`: tasks with a search path (`waypoints`: a pointer task's pointer, loupe.data.zoom_tasks) get a look
-  at each waypoint, what it showed said in the next turn, then the look at the target (3+ turns); `glance`
+  at each waypoint, what it showed said in the next turn, then the look at the target (3+ turns), into the last
+  waypoint's observation when the target lies inside it (a depth-2 zoom task's zoom into a zoom); `glance`
   weighs against `direct` for them;
 - `operate`: tasks that name a visual `operation` (loupe.data.operation_tasks) get that operation's calls on
   their `bbox`: `read_text` on a sign's box, `segment_at` on an object's centre then `get_properties` on its
@@ -255,7 +256,14 @@ def follow_plan(task: TaskRecord, params: OracleParams, rng: random.Random) -> P
         return Plan("glance", [])
     looks = [Look("waypoint", tuple(w.bbox), 0, tuple(w.bbox), w.seen) for w in task.waypoints or []]
     target = tuple(task.bbox or (0.0, 0.0, 1.0, 1.0))
+    if looks and _contains(looks[-1].region, target):  # a zoom into a zoom: the box is on the last observation
+        box = tuple(round(v, 4) for v in _within(target, looks[-1].region))
+        return Plan("follow", looks + [Look("close", target, len(looks), box)])  # type: ignore[arg-type]
     return Plan("follow", looks + [Look("close", target, 0, target)])  # type: ignore[arg-type]
+
+
+def _contains(outer: Box, inner: Box) -> bool:
+    return outer[0] <= inner[0] and outer[1] <= inner[1] and inner[2] <= outer[2] and inner[3] <= outer[3]
 
 
 def _close_look(target: Box, params: OracleParams, rng: random.Random, frame: Box | None, source: int) -> Look:
@@ -386,8 +394,8 @@ class OracleEngine(Engine):
             n = state.observations
             if previous.role == "wrong":
                 sentences = words.after_miss(n, area_name(previous.region), area_name(look.region))
-            elif previous.role == "waypoint":
-                sentences = words.after_waypoint(n, previous.seen, area_name(look.region))
+            elif previous.role == "waypoint":  # the next look's place in words, on the image it zooms into
+                sentences = words.after_waypoint(n, previous.seen, area_name(look.box if look.source else look.region))
             else:
                 in_view = area_name(_within(look.region, previous.region))
                 sentences = words.after_spot(n, in_view, look.source or None)
