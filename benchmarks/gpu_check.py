@@ -290,6 +290,9 @@ def engine_throughput(quick: bool, model_dir: Path, tasks_dir: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small shapes (the default without a GPU)")
+    parser.add_argument("--hidden", type=int, default=2048,
+                        help="the learner's and engine's model width on a GPU: 2048 is Qwen2.5-VL-3B's, 3584 7B's")
+    parser.add_argument("--parts", default="1234", help="which parts to run, by number (default: all four)")
     args = parser.parse_args()
     quick = args.quick or not CUDA
     started = time.perf_counter()
@@ -299,12 +302,14 @@ def main() -> None:
     from loupe.models.tiny import build_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="gpu-check-"))
-    # A 3B-like width (Qwen2.5-VL-3B: hidden 2048, heads of 128) at 4 layers on a GPU; the pipeline's tiny shape on CPU.
-    hidden, layers = (128, 2) if quick else (2048, 4)
+    # Qwen2.5-VL-3B's width (hidden 2048; 7B's is 3584) at 4 layers on a GPU, with the tiny builder's head size and
+    # MLP ratio (`loupe.models.tiny.tiny_config`), not the real models'; the pipeline's tiny shape on CPU.
+    hidden, layers = (128, 2) if quick else (args.hidden, 4)
     model_dir = build_tiny_model(work / "model", seed=0, text_hidden=hidden, text_layers=layers, max_pixels=28 * 28 * 256)
     generate_tasks(work / "tasks", SyntheticConfig(seed=0, train=32, val=0, test=0))
-    for part in (lambda: attention(quick), lambda: weight_sync(quick), lambda: learner_step(quick, model_dir),
-                 lambda: engine_throughput(quick, model_dir, work / "tasks")):
+    parts = {"1": lambda: attention(quick), "2": lambda: weight_sync(quick), "3": lambda: learner_step(quick, model_dir),
+             "4": lambda: engine_throughput(quick, model_dir, work / "tasks")}
+    for part in (parts[number] for number in sorted(set(args.parts) & set(parts))):
         try:
             part()
         except Exception as error:  # noqa: BLE001 - one part's failure is a figure too; the others still run

@@ -10,12 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from pydantic import ValidationError
+from transformers import AutoTokenizer
 
 from loupe.config import ProtocolParams
 from loupe.data.synthetic_draw import PALETTE
 from loupe.data.splits import SPLITS
 from loupe.data.tasks import TaskRecord, chance_rate, read_tasks
-from loupe.data.zoom_tasks import CELL_NAMES, ZoomTaskConfig, draw_zoom_task, generate_zoom_tasks
+from loupe.data.zoom_tasks import CELL_NAMES, ZoomTaskConfig, draw_zoom_task, generate_zoom_tasks, inner_box
 from loupe.protocol import get_protocol
 from loupe.rewards import RewardConfig, score_trajectory
 from loupe.rollout import run_rollouts
@@ -24,6 +25,7 @@ from stages.synth.oracle import OracleEngine
 from stages.synth.params import OracleParams
 
 PROTOCOL = ProtocolParams()
+TINY_MODEL = Path(__file__).resolve().parents[1] / "assets" / "tiny-model"
 SMALL = dict(train=6, val=2, test=4, canvas_side=(1024, 1152))
 
 
@@ -176,6 +178,10 @@ def test_the_oracle_teacher_answers_right_through_the_loop(generated):
     (dict(pointers=True, grid=2, grid_rows=2, markers=(1, 1)), "pointers"),
     (dict(pointers=True, pointer_colours=("purple", "orange", "red")), "pointer_colours"),
     (dict(pointers=True, marker_colours=("black", "purple", "orange", "pink")), "marker_colours"),
+    (dict(depth=2, markers=(1, 2)), "depth"),
+    (dict(depth=2, bbox_target="marker"), "depth"),
+    (dict(depth=2, view_side=0.16, inner_view_side=0.05), "inner_view_side"),
+    (dict(depth=2, inner_patch_size=(0.007, 0.006)), "inner_patch_size"),
 ])
 def test_bad_configs_are_refused_by_name(bad, field):
     with pytest.raises(ValidationError, match=field):
@@ -244,3 +250,58 @@ def test_the_oracle_follows_the_pointer_in_three_turns(tmp_path):
         calls = [t.call["arguments"]["bbox_2d"] for t in trajectory.turns if t.call]
         assert calls == [trajectory.task["waypoints"][0]["bbox"], trajectory.task["bbox"]]
         assert "pointer: the answer is" in trajectory.turns[3].text
+
+
+DEPTH_2 = dict(depth=2, view_side=0.16)
+
+
+def _shown_side(box_px, region_rel, image) -> float:
+    """Pixels of a box's width when `region_rel` of the image is cropped and resized into the model's budget."""
+    crop_w, crop_h = (region_rel[2] - region_rel[0]) * image.width, (region_rel[3] - region_rel[1]) * image.height
+    _, shown_w = smart_resize(round(crop_h), round(crop_w), BUDGET)
+    return (box_px[2] - box_px[0]) * shown_w / crop_w
+
+
+def test_at_depth_2_the_answer_is_legible_only_in_a_zoom_into_the_first_zoom():
+    cfg = ZoomTaskConfig(**DEPTH_2)
+    for index in range(30):
+        record, image, layout = draw_zoom_task(cfg, "train", index)
+        patch, frame = layout["patches"][0], layout["frames"][0]
+        first = record.waypoints[0].bbox
+        assert _inside(frame, first, image) and _inside(patch, record.bbox, image)
+        assert all(a <= b for a, b in zip(first[:2], record.bbox[:2])) and all(
+            a >= b for a, b in zip(first[2:], record.bbox[2:]))  # the second look lies inside the first
+        assert _shown_side(patch, first, image) < 5  # a few pixels in the first zoom, as the depth-1 patch at the view
+        assert _shown_side(patch, record.bbox, image) >= 14  # a quarter of the second zoom or more
+        assert tuple(int(v) for v in np.asarray(image)[(patch[1] + patch[3]) // 2, (patch[0] + patch[2]) // 2]) == \
+            PALETTE[record.solution]
+        decoy = layout["decoys"][0]
+        assert decoy[2] - decoy[0] > 3 * (patch[2] - patch[0])  # decoys keep their size: the overview's colours say nothing
+        assert record.category == "zoom/nested"
+
+
+def test_depth_1_canvases_do_not_change_with_the_depth_knobs():
+    for index in range(3):
+        _, plain, _ = draw_zoom_task(ZoomTaskConfig(), "test", index)
+        _, same, _ = draw_zoom_task(ZoomTaskConfig(inner_patch_size=(0.001, 0.002), inner_view_side=0.5), "test", index)
+        assert plain.tobytes() == same.tobytes()
+
+
+def test_the_oracle_zooms_into_its_own_observation_at_depth_2(tmp_path):
+    out = tmp_path / "tasks"
+    cfg = ZoomTaskConfig(**DEPTH_2, train=6, val=0, test=0)
+    generate_zoom_tasks(out, cfg)
+    tasks = read_tasks(out / "train.jsonl")
+    engine = OracleEngine(OracleParams(patterns={"direct": 1.0}, plain_wording=True), get_protocol("mini_o3"),
+                          seed=0, max_turns=4)
+    engine.prepare(tasks, 1)
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)
+    for trajectory in run_rollouts(tasks, engine, PROTOCOL, out, samples_per_task=1, max_new_tokens=96):
+        assert trajectory.end_reason == "answered" and trajectory.num_tool_calls == 2
+        assert score_trajectory(trajectory, RewardConfig()).accuracy == 1.0
+        longest = max(len(tokenizer(t.text)["input_ids"]) for t in trajectory.turns if t.role == "assistant")
+        assert longest <= 64  # every turn fits rl.max_new_tokens in the tiny model's tokens
+        calls = [(t.call["arguments"]["bbox_2d"], t.call["arguments"]["source"]) for t in trajectory.turns if t.call]
+        assert calls == [(trajectory.task["waypoints"][0]["bbox"], "original_image"),
+                         (inner_box(cfg.inner_view_side), "observation_1")]
+        assert "tiny square. Zooming into the centre." in trajectory.turns[3].text
