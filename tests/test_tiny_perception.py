@@ -36,6 +36,25 @@ def test_pretraining_changes_the_weights_in_place_and_reports_held_out_accuracy(
     assert report.steps == 3 and 0.0 <= report.held_out_accuracy <= 1.0 and report.first_loss > 0
 
 
+def test_pretraining_moves_only_the_words_its_texts_hold(tiny_model_dir, tmp_path):
+    """Tied embeddings let the answer's language-model loss push every unused word the same way; the pretraining
+    keeps them where they were, so "left" and "right" stay apart for SFT (docs/learning.md)."""
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    key = next(k for k in load_file(str(model / "model.safetensors")) if k.endswith("embed_tokens.weight"))
+    before = load_file(str(model / "model.safetensors"))[key]
+    pretrain_perception(model, steps=5, held_out=4)
+    after = load_file(str(model / "model.safetensors"))[key]
+    word = lambda text: tokenizer.encode(text, add_special_tokens=False)[0]  # noqa: E731
+    for unused in (" left", " right", " middle", " centre", "<grounding>"):
+        assert np.array_equal(before[word(unused)], after[word(unused)]), unused
+    for used in (" red", " colour", " square"):
+        assert not np.array_equal(before[word(used)], after[word(used)]), used
+
+
 def test_the_data_section_picks_a_family(tmp_path):
     zoom = DataParams.model_validate({"zoom": {"train": 2, "val": 1, "test": 1}})
     assert zoom.family == "zoom" and zoom.config is zoom.zoom

@@ -105,6 +105,26 @@ def _accuracy(model, processor, pictures: list[tuple[Image.Image, str]]) -> floa
     return right / len(pictures)
 
 
+def _train_seen_words_only(model, processor, pictures: list[tuple[Image.Image, str]]) -> None:
+    """Let the pretraining move only the embeddings of tokens its texts hold (the question, the template, "It is",
+    the colour words), and leave every other word where its random initialisation put it.
+
+    The embeddings are tied, so the answer span's language-model loss reaches every row of the vocabulary through
+    the output layer: each word the pretraining never answers with gets the same small push away from the same
+    hidden states, and Adam scales those identical pushes into full steps. After 2,400 steps the words the task
+    is about were one vector: "left" and "right" at cosine 0.96, "middle", "on", "at", "in" and "centre" with
+    them, and an SFT model built on that base could not tell the left cell from the right one (its
+    left-versus-right logit did not move with the question's word; docs/learning.md, "Words the base model
+    could not tell apart"). A real base model comes to SFT with its words distinct; so does this one.
+    """
+    import torch
+
+    encoded, _ = _batch(processor, [(image, colour) for image, _ in pictures[:1] for colour in COLOURS])
+    seen = torch.zeros(model.get_input_embeddings().weight.shape[0], 1)
+    seen[encoded["input_ids"].unique()] = 1.0
+    model.get_input_embeddings().weight.register_hook(lambda grad: grad * seen)
+
+
 def pretrain_perception(model_dir: str | Path, steps: int = 300, seed: int = 0, batch_size: int = 8,
                         lr: float = 1e-3, held_out: int = 100, progress: bool = False) -> PerceptionReport:
     """Train every weight of the model at `model_dir` on `steps` batches of fresh pictures, save it in place.
@@ -126,6 +146,7 @@ def pretrain_perception(model_dir: str | Path, steps: int = 300, seed: int = 0, 
         torch.manual_seed(seed)
         random.seed(seed)
         optimiser = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        _train_seen_words_only(model, processor, tests)
         model.train()
         losses = []
         first_ids = torch.tensor([processor.tokenizer.encode(f" {c}", add_special_tokens=False)[0] for c in COLOURS])
