@@ -45,8 +45,10 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
-# SFT and RL improving the default tiny model on held-out questions (tests/test_learning.py: dvc.yaml's stage
-# commands, then rl again with one-step overlap; ~25 minutes on 2 cores; LOUPE_LEARNING_SEED=N runs another seed).
+# SFT and RL improving the default tiny model on held-out questions, and at depth 2 zooming into a zoom (issue
+# 32's bar: acc@4 10 points over acc@2, RL taking more turns and tool calls than SFT) (tests/test_learning.py:
+# dvc.yaml's stage commands, then rl again with one-step overlap; ~30 minutes on 2 cores;
+# LOUPE_LEARNING_SEED=N runs another seed).
 test-learning: $(STAMP)
 	$(PY) -m pytest -q -m learning $(PYTEST_ARGS)
 
