@@ -11,7 +11,7 @@ and the update itself, `--repeats` times (median). Printed: seconds per part and
 
 Without --model the tiny model is built in a temporary folder and synthetic tasks are generated; its
 trajectories end after about one turn. For multi-turn work give an SFT model and its task folder, e.g.
-`--model work/sft/model --tasks work/data/tasks` after `make run` (the zoom tasks take 2 turns). Not a test.
+`--model work/sft/model --tasks work/data/tasks` after `make run` (the default zoom tasks take 3 turns). Not a test.
 """
 
 from __future__ import annotations

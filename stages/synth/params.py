@@ -20,7 +20,8 @@ class OracleParams(Section):
     look around the target, then closer looks on the original), `wrong_then_right` (one or more regions without
     the target first, noticed and corrected), `observation_zoom` (a wide look, then zooms into the observation),
     `glance` (no zoom: a guess from the downscaled view, kept by rejection only when right; needs
-    `min_tool_calls: 0`)."""
+    `min_tool_calls: 0`). A task with a search path (`waypoints`: pointer tasks, depth-2 zoom tasks) is searched
+    by `follow` with `direct`'s weight against `glance`'s, whatever the others say."""
     turns: dict[int, float] = Field(default_factory=lambda: {2: 2.0, 3: 3.0, 4: 3.0, 5: 1.5, 6: 1.0})
     """Relative weights of the number of assistant turns (answer included). Each trajectory draws its pattern
     first, then its turn count among those the pattern can make (direct: 2; the others: 3 or more), capped by
