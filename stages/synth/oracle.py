@@ -388,7 +388,8 @@ class OracleEngine(Engine):
             return self._emit(state, text, "eos", max_new_tokens)
         look = looks[step]
         if step == 0:
-            sentences = words.first_turn(area_name(look.region), close=look.role == "close")
+            area = area_name(look.region) if self.params.name_first_look else None
+            sentences = words.first_turn(area, close=look.role == "close")
         else:
             previous = looks[step - 1]
             n = state.observations

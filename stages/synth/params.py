@@ -37,6 +37,11 @@ class OracleParams(Section):
     plain_wording: bool = False
     """One fixed, shortest wording per sentence slot and no optional sentences (stages/synth/wording.py), so
     the only words that vary are those that carry the decision: where to zoom, what was seen."""
+    name_first_look: bool = True
+    """Whether the first turn says in words where its zoom goes ("Checking the left side."). False: it names no
+    place ("Checking the frame.") and the box alone carries it. On the tiny default, SFT's loss on side words
+    the model both reads in the question and writes in its turn pulled " left" and " right" together again, and
+    the first box stopped following the question (docs/learning.md, "The side word SFT writes")."""
     obs_source_rate: float = Field(0.5, ge=0.0, le=1.0)
     """In `wide_then_close` and `wrong_then_right`, the chance that a closer look after a wide one names the
     observation as its source instead of the original (`observation_zoom` always does)."""

@@ -38,6 +38,14 @@ FIRST_WIDE = (
     "Checking the {area}.",
 )
 
+FIRST_UNNAMED = (
+    "Checking the frame.",
+    "Let me zoom in where the question points.",
+    "I'll zoom into the place the question names.",
+)
+"""First turns that do not say where the zoom goes (`OracleParams.name_first_look: false`): the box alone
+carries the place, so the side word is one the model reads in the question and never writes."""
+
 FIRST_CLOSE = (
     "Something small in the {area} could be {subject}; zooming in on it.",
     "There is a likely candidate in the {area}. Let me zoom in.",
@@ -210,7 +218,10 @@ class Wording:
             return Sentence("" if optional else shortest, shortest, optional)
         return Sentence(self.rng.choice(filled), shortest, optional)
 
-    def first_turn(self, area: str, close: bool) -> list[Sentence]:
+    def first_turn(self, area: str | None, close: bool) -> list[Sentence]:
+        """The opening turn's words; `area` None: a first sentence that names no place (FIRST_UNNAMED)."""
+        if area is None:
+            return self._kept([self._fill(OPENERS, optional=True), self._fill(FIRST_UNNAMED)])
         return self._kept([self._fill(OPENERS, optional=True), self._fill(FIRST_CLOSE if close else FIRST_WIDE, area=area)])
 
     def after_miss(self, n: int, seen_area: str, next_area: str) -> list[Sentence]:
