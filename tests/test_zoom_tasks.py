@@ -305,3 +305,25 @@ def test_the_oracle_zooms_into_its_own_observation_at_depth_2(tmp_path):
         assert calls == [(trajectory.task["waypoints"][0]["bbox"], "original_image"),
                          (inner_box(cfg.inner_view_side), "observation_1")]
         assert "tiny square. Zooming into the centre." in trajectory.turns[3].text
+
+
+@pytest.mark.parametrize("name_first_look", [True, False])
+def test_the_first_turn_names_its_place_only_when_asked(tmp_path, name_first_look):
+    """params.yaml's `name_first_look: false`: the side word is in the question only, never in the turn the
+    model writes (docs/learning.md, "The side word SFT writes"); the box is the same either way."""
+    out = tmp_path / "tasks"
+    cfg = ZoomTaskConfig(**DEPTH_2, train=6, val=0, test=0)
+    generate_zoom_tasks(out, cfg)
+    tasks = read_tasks(out / "train.jsonl")
+    params = OracleParams(patterns={"direct": 1.0}, plain_wording=True, name_first_look=name_first_look)
+    engine = OracleEngine(params, get_protocol("mini_o3"), seed=0, max_turns=4)
+    engine.prepare(tasks, 1)
+    for trajectory in run_rollouts(tasks, engine, PROTOCOL, out, samples_per_task=1, max_new_tokens=96):
+        first = trajectory.turns[1]
+        assert first.role == "assistant" and first.call["arguments"]["bbox_2d"] == trajectory.task["waypoints"][0]["bbox"]
+        think = first.text.split("</think>")[0]
+        named = [side for side in ("left", "right", "centre") if side in think]
+        if name_first_look:
+            assert len(named) == 1, think
+        else:
+            assert named == [] and "Checking the frame." in think, think
