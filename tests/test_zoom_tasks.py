@@ -287,16 +287,21 @@ def test_depth_1_canvases_do_not_change_with_the_depth_knobs():
         assert plain.tobytes() == same.tobytes()
 
 
-def test_the_oracle_zooms_into_its_own_observation_at_depth_2(tmp_path):
+def depth_2_oracle_trajectories(tmp_path, **oracle):
+    """The oracle's `direct` trajectories, plain wording, on six depth-2 training tasks."""
     out = tmp_path / "tasks"
-    cfg = ZoomTaskConfig(**DEPTH_2, train=6, val=0, test=0)
-    generate_zoom_tasks(out, cfg)
+    generate_zoom_tasks(out, ZoomTaskConfig(**DEPTH_2, train=6, val=0, test=0))
     tasks = read_tasks(out / "train.jsonl")
-    engine = OracleEngine(OracleParams(patterns={"direct": 1.0}, plain_wording=True), get_protocol("mini_o3"),
-                          seed=0, max_turns=4)
+    engine = OracleEngine(OracleParams(patterns={"direct": 1.0}, plain_wording=True, **oracle),
+                          get_protocol("mini_o3"), seed=0, max_turns=4)
     engine.prepare(tasks, 1)
+    return run_rollouts(tasks, engine, PROTOCOL, out, samples_per_task=1, max_new_tokens=96)
+
+
+def test_the_oracle_zooms_into_its_own_observation_at_depth_2(tmp_path):
+    cfg = ZoomTaskConfig(**DEPTH_2)
     tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)
-    for trajectory in run_rollouts(tasks, engine, PROTOCOL, out, samples_per_task=1, max_new_tokens=96):
+    for trajectory in depth_2_oracle_trajectories(tmp_path):
         assert trajectory.end_reason == "answered" and trajectory.num_tool_calls == 2
         assert score_trajectory(trajectory, RewardConfig()).accuracy == 1.0
         longest = max(len(tokenizer(t.text)["input_ids"]) for t in trajectory.turns if t.role == "assistant")
@@ -311,14 +316,7 @@ def test_the_oracle_zooms_into_its_own_observation_at_depth_2(tmp_path):
 def test_the_first_turn_names_its_place_only_when_asked(tmp_path, name_first_look):
     """params.yaml's `name_first_look: false`: the side word is in the question only, never in the turn the
     model writes (docs/learning.md, "The side word SFT writes"); the box is the same either way."""
-    out = tmp_path / "tasks"
-    cfg = ZoomTaskConfig(**DEPTH_2, train=6, val=0, test=0)
-    generate_zoom_tasks(out, cfg)
-    tasks = read_tasks(out / "train.jsonl")
-    params = OracleParams(patterns={"direct": 1.0}, plain_wording=True, name_first_look=name_first_look)
-    engine = OracleEngine(params, get_protocol("mini_o3"), seed=0, max_turns=4)
-    engine.prepare(tasks, 1)
-    for trajectory in run_rollouts(tasks, engine, PROTOCOL, out, samples_per_task=1, max_new_tokens=96):
+    for trajectory in depth_2_oracle_trajectories(tmp_path, name_first_look=name_first_look):
         first = trajectory.turns[1]
         assert first.role == "assistant" and first.call["arguments"]["bbox_2d"] == trajectory.task["waypoints"][0]["bbox"]
         think = first.text.split("</think>")[0]

@@ -220,9 +220,8 @@ class Wording:
 
     def first_turn(self, area: str | None, close: bool) -> list[Sentence]:
         """The opening turn's words; `area` None: a first sentence that names no place (FIRST_UNNAMED)."""
-        if area is None:
-            return self._kept([self._fill(OPENERS, optional=True), self._fill(FIRST_UNNAMED)])
-        return self._kept([self._fill(OPENERS, optional=True), self._fill(FIRST_CLOSE if close else FIRST_WIDE, area=area)])
+        pool = FIRST_UNNAMED if area is None else FIRST_CLOSE if close else FIRST_WIDE
+        return self._kept([self._fill(OPENERS, optional=True), self._fill(pool, area=area)])
 
     def after_miss(self, n: int, seen_area: str, next_area: str) -> list[Sentence]:
         return [self._fill(MISSED, n=n, area=seen_area), self._fill(RETRY, area=next_area)]
