@@ -7,7 +7,7 @@ given its perception pretraining, zoom tasks are drawn, the oracle writes the co
 fine-tunes, the rl stage runs GRPO with the crop tool, and one eval run scores the base, SFT and RL models on
 the 200 held-out questions with 95% bootstrap intervals. Then the rl stage runs again from the same SFT model
 with one-step overlap on (`rl.overlap`, issue 16) and its model is evaluated alone: it must clear RL's bar
-too. About 30 minutes on 2 cores: marked `learning` (and `slow`), outside the default run; CI runs it as its
+too. About 18 minutes on 2 cores: marked `learning` (and `slow`), outside the default run; CI runs it as its
 own step (`make test-learning`). `LOUPE_LEARNING_SEED`
 sets the seed (top-level `seed` and `data.zoom.seed`; 0 by default). The base model is the committed
 `assets/tiny-model` at every seed, as in `make run` (docs/learning.md, "The base model as a committed
