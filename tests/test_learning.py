@@ -17,7 +17,7 @@ is no 3-minute version.
 
 The same verdict, without the overlap run, is asserted at seeds 1-4 and at seed 0 with the stages' kernels
 forced below AVX2 (`test_the_verdict_holds_at_other_seeds`, `..._on_a_lower_kernel_set`): marked `slow` only,
-about 13 minutes each (the lower kernels about 25), outside CI's time
+about 14 minutes each (the lower kernel set about 20), outside CI's time
 (`make test-slow PYTEST_ARGS="-k verdict_holds"`).
 
 Margins are issues 13's and 32's bar (docs/learning.md, "Four SFT epochs"; seed 0 on this
