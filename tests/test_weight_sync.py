@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pickle
 import threading
+import time
 
 import pytest
 import torch
@@ -160,3 +161,110 @@ def test_device_identity_names_a_gpu_by_uuid_whatever_its_index(monkeypatch):
     assert learner == worker_view and learner.endswith("/GPU-1111") and device_identity("cpu").endswith("/cpu")
     assert choose_backend(learner, [worker_view]) == "ipc"
     assert choose_backend(learner, [worker_view, device_identity("cuda:0")]) == "gloo"
+
+
+# --- no wait is unbounded: every transport ends within sync_timeout_s and says who was doing what ----------
+
+
+def _group_in_thread(host, port, rank, world, backend, timeout_s, then=None):
+    """Rank `rank` joins in a thread and runs `then(group)`; returns the thread and a dict of its result/error."""
+    found: dict = {}
+
+    def run():
+        try:
+            group = SyncGroup(host, port, rank, world, backend, timeout_s)
+            found["group"] = group
+            if then is not None:
+                found["result"] = then(group)
+        except Exception as err:  # noqa: BLE001 (asserted by the caller)
+            found["error"] = err
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, found
+
+
+def _state_and_manifest():
+    state = {"a.weight": torch.randn(64, 64), "b.weight": torch.randn(64)}
+    manifest = plan_manifest([(k, v.dtype, tuple(v.shape)) for k, v in state.items()], torch.float32, bucket_bytes=1 << 12)
+    return state, manifest
+
+
+@pytest.mark.parametrize("backend", ["gloo", "ipc"])
+def test_an_engine_that_never_receives_ends_the_learners_wait_within_the_timeout(backend):
+    from loupe.rollout.weight_sync import WeightSyncError
+
+    state, manifest = _state_and_manifest()
+    host, port = free_address()
+    thread, engine = _group_in_thread(host, port, 1, 2, backend, 2.0)  # joins, then never calls receive
+    learner = SyncGroup(host, port, 0, 2, backend, 2.0)
+    started = time.monotonic()
+    with pytest.raises(WeightSyncError) as raised:
+        send_weights(learner, state.items(), manifest)
+    waited = time.monotonic() - started
+    assert 1.5 < waited < 6.0, waited
+    message = str(raised.value)
+    assert f"weight sync over {backend}" in message
+    assert "rank 0 (the learner) gave up after 2 s (rl.sync_timeout_s) at: bucket 1 of" in message
+    assert "rank 1 (an engine): joined, idle" in message
+
+
+@pytest.mark.parametrize("backend", ["gloo", "ipc"])
+def test_a_learner_that_never_sends_ends_the_engines_wait_within_the_timeout(backend):
+    from loupe.rollout.weight_sync import WeightSyncError
+
+    _, manifest = _state_and_manifest()
+    host, port = free_address()
+    learner = {}
+    joiner = threading.Thread(target=lambda: learner.setdefault("group", SyncGroup(host, port, 0, 2, backend, 2.0)))
+    joiner.start()
+    engine = SyncGroup(host, port, 1, 2, backend, 2.0)
+    joiner.join(10)
+    started = time.monotonic()
+    with pytest.raises(WeightSyncError) as raised:
+        list(receive_weights(engine, manifest))
+    assert time.monotonic() - started < 6.0
+    message = str(raised.value)
+    assert "rank 1 (an engine) gave up after 2 s" in message and "bucket 1 of" in message
+    assert "rank 0 (the learner): joined, idle" in message
+
+
+def test_an_engine_that_fails_ends_the_learners_wait_at_once_with_its_error(tiny_model_dir):
+    """A receiver whose load fails (here a model of another architecture) tells the learner, which stops waiting
+    long before the timeout and names the engine's error."""
+    from loupe.rollout.weight_sync import WeightSyncError
+
+    state, manifest = _state_and_manifest()
+    host, port = free_address()
+
+    def receive(group):
+        with group.reporting():
+            return load_into_module(torch.nn.Linear(2, 2), receive_weights(group, manifest))
+
+    thread, engine = _group_in_thread(host, port, 1, 2, "ipc", 60.0, then=receive)
+    learner = SyncGroup(host, port, 0, 2, "ipc", 60.0)
+    started = time.monotonic()
+    with pytest.raises(WeightSyncError) as raised:
+        send_weights(learner, state.items(), manifest)
+    assert time.monotonic() - started < 10.0  # not the 60 s timeout
+    thread.join(10)
+    assert isinstance(engine.get("error"), KeyError)
+    message = str(raised.value)
+    assert "another rank failed" in message
+    assert "rank 1 (an engine): failed: KeyError" in message and "no tensor 'a.weight'" in message
+
+
+def test_a_rank_that_never_joins_ends_the_group_forming_within_the_timeout():
+    from loupe.rollout.weight_sync import WeightSyncError
+
+    host, port = free_address()
+    thread, engine = _group_in_thread(host, port, 1, 3, "gloo", 2.0)  # rank 2 never comes
+    started = time.monotonic()
+    with pytest.raises(WeightSyncError) as raised:
+        SyncGroup(host, port, 0, 3, "gloo", 2.0)
+    assert time.monotonic() - started < 15.0
+    message = str(raised.value)
+    assert "weight sync over gloo: rank 0 (the learner) could not form the group" in message
+    assert "rank 2 (an engine): never reached the group" in message
+    thread.join(15)
+    assert isinstance(engine.get("error"), WeightSyncError)

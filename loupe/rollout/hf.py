@@ -207,6 +207,18 @@ class TokenContextEngine(Engine):
         """Receive one broadcast of the policy (`manifest`'s buckets) and load it; returns the tensors loaded."""
         raise NotImplementedError(f"the {self.name} engine cannot take weights from a learner")
 
+    receives_in_process = False
+    """Whether the model that takes the weights lives in this object's process (the transformers engine), so a
+    learner in the same process hands them over directly (`load_weights`) with no transport. vLLM's model lives
+    in its engine-core and worker processes."""
+
+    def load_weights(self, weights: Any) -> int:
+        """Load named tensors handed over in this process (`weight_sync.cast_weights`); returns the count."""
+        raise NotImplementedError(f"the {self.name} engine takes weights only through the weight-sync group")
+
+    def weights_changed(self) -> None:
+        """The weights changed under the engine (a colocated learner updated its module): drop what it cached."""
+
     def sleep(self) -> None:
         """Give the device's memory back while a colocated learner updates (engines that hold any)."""
 
@@ -308,7 +320,20 @@ class TransformersEngine(TokenContextEngine):
 
         if self.sync_group is None:
             raise RuntimeError("weight sync: receive_weights before init_weight_sync")
-        return load_into_module(self.model, receive_weights(self.sync_group, manifest))
+        self.weights_changed()
+        with self.sync_group.reporting():
+            return load_into_module(self.model, receive_weights(self.sync_group, manifest))
+
+    receives_in_process = True
+
+    def load_weights(self, weights: Any) -> int:
+        from loupe.rollout.weight_sync import load_into_module
+
+        self.weights_changed()
+        return load_into_module(self.model, weights)
+
+    def weights_changed(self) -> None:
+        self._prompt_cache = None  # keys and values the old weights computed
 
     def weights_format(self) -> tuple[str, str]:
         from loupe.rollout.weight_sync import dtype_name

@@ -30,10 +30,12 @@ either side holds (the learner's cast copies, the engine's receive buffer) to `b
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import pickle
 import socket
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -157,12 +159,33 @@ def choose_backend(learner: str, engines: list[str]) -> str:
     return "nccl"
 
 
+class WeightSyncError(RuntimeError):
+    """A weight sync that could not finish: the message names the transport, every rank and what each was doing."""
+
+
+_GRACE_S = 5.0
+"""How much longer than `rl.sync_timeout_s` the backend's own timeout is: Loupe's wait gives up first, with a
+message that says more than gloo's or NCCL's, and NCCL's watchdog never kills the process before it."""
+
+_LOOK_EVERY_S = 0.2
+"""How often a waiting rank reads its peers' notes in the store (a failed peer ends the wait at once)."""
+
+_BROKEN: list[Any] = []
+"""Groups left with an operation that will never finish. A ProcessGroupGloo's destructor joins its threads, which
+wait out the backend's timeout; keeping the object alive lets the error reach the user now."""
+
+
 class SyncGroup:
     """This process's membership of the weight-sync group: rank 0 sends, every other rank receives.
 
     `backend`: `gloo` (buckets through host memory), `nccl` (GPU to GPU) or `ipc` (one GPU shared by every
     rank: buckets stay in the learner's memory and travel as CUDA IPC handles; gloo carries the handles and a
     barrier per bucket). `choose_backend` picks it.
+
+    No wait is unbounded: every rank writes what it is doing into the rendezvous store (`note`), a rank whose
+    receive or send raises writes its error there (`reporting`), and each wait (`_wait`) polls its operation
+    until it completes, a peer reports a failure, or `timeout_s` passes; the last two raise `WeightSyncError`
+    with every rank's note. torch's `Work.wait` would block in C++ with no way to look at the peers.
     """
 
     def __init__(
@@ -171,45 +194,129 @@ class SyncGroup:
     ):
         if backend not in ("gloo", "nccl", "ipc"):
             raise ValueError(f"weight sync: backend {backend!r}; use gloo (CPU), nccl (a GPU a rank) or ipc (one shared GPU)")
-        timeout = datetime.timedelta(seconds=timeout_s)
-        self.rank, self.world_size, self.backend = rank, world_size, backend
+        self.rank, self.world_size, self.backend, self.timeout_s = rank, world_size, backend, float(timeout_s)
         self.device = torch.device(device)
-        # The learner (rank 0) serves the rendezvous store; it never waits for the others here, the process
-        # group's own connection step does.
-        store = torch.distributed.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
-        store = torch.distributed.PrefixStore("loupe-weight-sync", store)
-        if backend == "nccl":
-            # The group's own timeout: without it a rank that never joins a broadcast hangs the others for
-            # NCCL's default of 10 minutes, whatever rl.sync_timeout_s says.
-            options = torch.distributed.ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            self.group: Any = torch.distributed.ProcessGroupNCCL(store, rank, world_size, options)
-        else:
-            self.group = torch.distributed.ProcessGroupGloo(store, rank, world_size, timeout)
-        self._store = store  # the store must outlive the group
+        self.group: Any = None
+        self._store: Any = None
+        timeout = datetime.timedelta(seconds=self.timeout_s + _GRACE_S)
+        try:
+            # The learner (rank 0) serves the rendezvous store; it never waits for the others here, the process
+            # group's own connection step does.
+            store = torch.distributed.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout,
+                                               wait_for_workers=False)
+        except Exception as err:  # noqa: BLE001 - the store is unreachable: nothing to read notes from
+            raise WeightSyncError(f"weight sync over {backend}: {self._role(rank)} could not reach the group's store at "
+                                  f"{host}:{port} within {self.timeout_s:g} s (rl.sync_timeout_s): {err}") from err
+        self._store = torch.distributed.PrefixStore("loupe-weight-sync", store)  # must outlive the group
+        self.note("joining the group")
+        try:
+            if backend == "nccl":
+                # The group's own timeout: without it a rank that never joins a broadcast hangs the others for
+                # NCCL's default of 10 minutes, whatever rl.sync_timeout_s says.
+                options = torch.distributed.ProcessGroupNCCL.Options()
+                options._timeout = timeout
+                self.group = torch.distributed.ProcessGroupNCCL(self._store, rank, world_size, options)
+            else:
+                self.group = torch.distributed.ProcessGroupGloo(self._store, rank, world_size, timeout)
+        except Exception as err:  # noqa: BLE001 - said with every rank's note
+            raise WeightSyncError(self.story(f"could not form the group at {host}:{port}: {err}")) from err
+        self.note("joined, idle")
 
-    def broadcast(self, buffer: torch.Tensor) -> None:
-        self.group.broadcast(buffer, 0).wait()
+    # --- what each rank is doing --------------------------------------------------------------------------
 
-    def barrier(self) -> None:
+    @staticmethod
+    def _role(rank: int) -> str:
+        return "rank 0 (the learner)" if rank == 0 else f"rank {rank} (an engine)"
+
+    def note(self, doing: str) -> None:
+        """Tell the other ranks what this one is doing (read back in their error messages)."""
+        self._store.set(f"doing/{self.rank}", doing)
+
+    def report_failure(self, err: BaseException) -> None:
+        """Tell the other ranks this one failed, so their waits end now rather than at the timeout."""
+        try:
+            self._store.set(f"failed/{self.rank}", f"{type(err).__name__}: {err}"[:500])
+        except Exception:  # noqa: BLE001 - the store itself is gone (rank 0 died): the others will time out
+            pass
+
+    @contextlib.contextmanager
+    def reporting(self) -> Iterator[None]:
+        """Run a send or receive; an error inside is reported to the other ranks, then raised."""
+        try:
+            yield
+        except BaseException as err:
+            self.report_failure(err)
+            raise
+
+    def _read(self, key: str) -> str | None:
+        try:
+            return self._store.get(key).decode() if self._store.check([key]) else None
+        except Exception:  # noqa: BLE001 - a store that went away with its rank
+            return "(the store did not answer)"
+
+    def _failed_peers(self) -> list[int]:
+        return [r for r in range(self.world_size) if r != self.rank and self._read(f"failed/{r}") is not None]
+
+    def story(self, headline: str) -> str:
+        """`headline` for this rank, then each other rank's last note (or its failure)."""
+        lines = [f"weight sync over {self.backend}: {self._role(self.rank)} {headline}"]
+        for r in range(self.world_size):
+            if r == self.rank:
+                continue
+            failed = self._read(f"failed/{r}")
+            doing = self._read(f"doing/{r}")
+            state = f"failed: {failed}" if failed else (doing or "never reached the group")
+            lines.append(f"  {self._role(r)}: {state}")
+        return "\n".join(lines)
+
+    def _wait(self, work: Any, what: str) -> None:
+        """Wait for `work` (a collective at step `what`) at most `timeout_s`, ending early if a peer failed."""
+        self.note(what)
+        deadline = time.monotonic() + self.timeout_s
+        look = time.monotonic() + _LOOK_EVERY_S
+        pause = 1e-4
+        while not work.is_completed():
+            now = time.monotonic()
+            if now >= deadline:
+                _BROKEN.append(self.group)
+                raise WeightSyncError(self.story(f"gave up after {self.timeout_s:g} s (rl.sync_timeout_s) at: {what}"))
+            if now >= look:
+                if self._failed_peers():
+                    _BROKEN.append(self.group)
+                    raise WeightSyncError(self.story(f"stopped waiting at '{what}': another rank failed"))
+                look = now + _LOOK_EVERY_S
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
+        try:
+            work.wait()  # raises what the backend saw (a peer that closed its connection, its own timeout)
+        except Exception as err:  # noqa: BLE001 - said with every rank's note
+            raise WeightSyncError(self.story(f"failed at '{what}': {err}")) from err
+
+    # --- the operations -----------------------------------------------------------------------------------
+
+    def broadcast(self, buffer: torch.Tensor, what: str = "a broadcast") -> None:
+        self._wait(self.group.broadcast(buffer, 0), what)
+
+    def barrier(self, what: str = "a barrier") -> None:
         """Every rank has reached this point (an all-reduce of one number over the group's own connections)."""
-        self.group.allreduce([torch.zeros(1)]).wait()
+        self._wait(self.group.allreduce([torch.zeros(1)]), what)
 
-    def share(self, buffer: torch.Tensor) -> None:
+    def share(self, buffer: torch.Tensor, what: str = "a bucket") -> None:
         """`ipc`, rank 0: hand every rank a handle to `buffer`, then wait until each has copied it out."""
         if buffer.is_cuda:
             torch.cuda.current_stream(buffer.device).synchronize()  # the bucket is written before others read it
         payload = torch.frombuffer(bytearray(_ipc_handle(buffer)), dtype=torch.uint8)
-        self.broadcast(torch.tensor([payload.numel()], dtype=torch.int64))
-        self.broadcast(payload)
-        self.barrier()
+        self.broadcast(torch.tensor([payload.numel()], dtype=torch.int64), f"{what}: sending the handle's size")
+        self.broadcast(payload, f"{what}: sending the handle")
+        self.barrier(f"{what}: waiting for every engine to copy it out")
 
-    def receive_shared(self) -> torch.Tensor:
+    def receive_shared(self, what: str = "a bucket") -> torch.Tensor:
         """`ipc`, ranks 1..: a copy, in this process's memory on the same device, of the bucket rank 0 shares."""
         size = torch.zeros(1, dtype=torch.int64)
-        self.broadcast(size)
+        self.broadcast(size, f"{what}: receiving the handle's size")
         payload = torch.empty(int(size.item()), dtype=torch.uint8)
-        self.broadcast(payload)
+        self.broadcast(payload, f"{what}: receiving the handle")
+        self.note(f"{what}: opening the handle")
         shared = pickle.loads(payload.numpy().tobytes())
         # A copy, not the shared memory itself: vLLM's layerwise reload may hold a tensor until its layer is
         # complete, and the learner reuses its bucket memory once the barrier says every rank is done.
@@ -217,7 +324,7 @@ class SyncGroup:
         if bucket.is_cuda:
             torch.cuda.current_stream(bucket.device).synchronize()
         del shared
-        self.barrier()
+        self.barrier(f"{what}: copied, waiting for the others")
         return bucket
 
     def close(self) -> None:
@@ -246,57 +353,84 @@ def _ipc_handle(buffer: torch.Tensor) -> bytes:
         tmp.set_sharing_strategy(before)
 
 
+def _in_manifest_order(
+    tensors: Iterable[tuple[str, torch.Tensor]], manifest: Manifest, check: bool = True
+) -> Iterator[tuple[int, list[Any], torch.Tensor]]:
+    """(bucket index, manifest entry, whole tensor) for each of `tensors`, checked against the manifest's order and,
+    where `check`, its shapes. A sharded tensor (`DTensor`) is gathered here: `full_tensor` is a collective every
+    learner rank joins, so ranks that send nothing still walk the tensors (`check` False)."""
+    iterator = iter(tensors)
+    for index, bucket in enumerate(manifest):
+        for entry in bucket:
+            name, _, shape = entry
+            found, tensor = next(iterator)
+            if found != name:
+                raise ValueError(f"weight sync: the manifest expects {name!r} next, the learner gave {found!r}")
+            if hasattr(tensor, "full_tensor"):  # an FSDP2 shard: gather the whole tensor (all learner ranks)
+                tensor = tensor.full_tensor()
+            if check and list(tensor.shape) != shape:
+                raise ValueError(f"weight sync: {name} has shape {list(tensor.shape)}, the manifest says {shape}")
+            yield index, entry, tensor
+
+
 def send_weights(group: SyncGroup | None, tensors: Iterable[tuple[str, torch.Tensor]], manifest: Manifest) -> int:
     """Broadcast `tensors` (in manifest order) bucket by bucket from rank 0; returns the bytes sent.
 
     `group` is None on learner ranks other than 0: they still walk the tensors, because gathering a sharded
     tensor (`DTensor.full_tensor`) is a collective every learner rank joins, but send nothing.
     """
-    iterator = iter(tensors)
+    if group is None:
+        for _ in _in_manifest_order(tensors, manifest, check=False):
+            pass
+        return 0
     sent = 0
-    for bucket in manifest:
-        offsets, size = bucket_layout(bucket)
-        buffer = None
-        if group is not None:
+    walk = _in_manifest_order(tensors, manifest)
+    with group.reporting():
+        for index, bucket in enumerate(manifest):
+            offsets, size = bucket_layout(bucket)
+            what = f"bucket {index + 1} of {len(manifest)}"
+            group.note(f"{what}: packing")
             buffer = torch.empty(size, dtype=torch.uint8, device=group.device)
-        for (name, dtype, shape), offset in zip(bucket, offsets):
-            found, tensor = next(iterator)
-            if found != name:
-                raise ValueError(f"weight sync: the manifest expects {name!r} next, the learner gave {found!r}")
-            if hasattr(tensor, "full_tensor"):  # an FSDP2 shard: gather the whole tensor (all learner ranks)
-                tensor = tensor.full_tensor()
-            if buffer is None:
-                continue
-            if list(tensor.shape) != shape:
-                raise ValueError(f"weight sync: {name} has shape {list(tensor.shape)}, the manifest says {shape}")
-            nbytes = _nbytes(dtype, shape)
-            target = buffer[offset : offset + nbytes].view(dtype_from_name(dtype)).view(shape)
-            target.copy_(tensor.detach())
-        if group is not None and buffer is not None:
+            for offset, (_, entry, tensor) in zip(offsets, walk):  # offsets first: zip stops before taking a tensor
+                _, dtype, shape = entry
+                target = buffer[offset : offset + _nbytes(dtype, shape)].view(dtype_from_name(dtype)).view(shape)
+                target.copy_(tensor.detach())
             if group.backend == "ipc":
-                group.share(buffer)
+                group.share(buffer, what)
             else:
-                group.broadcast(buffer)
+                group.broadcast(buffer, f"{what}: sending")
             sent += size
+        group.note("sent every bucket, idle")
     return sent
 
 
 def receive_weights(group: SyncGroup, manifest: Manifest) -> Iterator[tuple[str, torch.Tensor]]:
     """Receive the buckets in order and yield each tensor as a view of its bucket (copy before the next).
 
-    A generator, so a consumer such as vLLM's `load_weights` holds one bucket at a time.
+    A generator, so a consumer such as vLLM's `load_weights` holds one bucket at a time. The consumer runs it
+    inside `group.reporting()`, so a failure of its own (loading a tensor) reaches the sender too.
     """
-    for bucket in manifest:
+    for index, bucket in enumerate(manifest):
         offsets, size = bucket_layout(bucket)
+        what = f"bucket {index + 1} of {len(manifest)}"
         if group.backend == "ipc":
-            buffer = group.receive_shared()
+            buffer = group.receive_shared(what)
             if buffer.numel() != size:
                 raise ValueError(f"weight sync: a shared bucket of {buffer.numel()} bytes, the manifest says {size}")
         else:
             buffer = torch.empty(size, dtype=torch.uint8, device=group.device)
-            group.broadcast(buffer)
+            group.broadcast(buffer, f"{what}: receiving")
+        group.note(f"{what}: loading")
         for (name, dtype, shape), offset in zip(bucket, offsets):
             yield name, buffer[offset : offset + _nbytes(dtype, shape)].view(dtype_from_name(dtype)).view(shape)
+    group.note("received every bucket, idle")
+
+
+def cast_weights(tensors: Iterable[tuple[str, torch.Tensor]], manifest: Manifest) -> Iterator[tuple[str, torch.Tensor]]:
+    """`tensors` checked against the manifest and cast to its dtypes, one at a time: the `direct` path, for an
+    engine in the learner's own process, which loads them with no transport and no second copy of the model."""
+    for _, (name, dtype, _), tensor in _in_manifest_order(tensors, manifest):
+        yield name, tensor.detach().to(dtype_from_name(dtype))
 
 
 def load_into_module(module: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -355,6 +489,12 @@ class VLLMWeightSyncExtension:
                 yield item
 
         runner = self.model_runner  # type: ignore[attr-defined]
+        with self.loupe_sync_group.reporting():
+            self._loupe_load(runner, counted())
+        return loaded
+
+    @staticmethod
+    def _loupe_load(runner: Any, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         if hasattr(runner, "reload_weights"):
             # vLLM's in-place reload (`GPUModelRunner.reload_weights`, which the CPU runner inherits;
             # `model_executor/model_loader/reload/inplace.py`): it runs the model's own `load_weights` between
@@ -362,10 +502,9 @@ class VLLMWeightSyncExtension:
             # post-processed at load time get them processed again. On CPU that is every linear layer: vLLM packs
             # it into a oneDNN handle and empties `layer.weight`, and a bare `load_weights` then asserts. It also
             # drops this worker's encoder and multimodal caches; the scheduler's side is the engine's to reset.
-            runner.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
+            runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
         else:  # a harness whose model runner is only a holder of the model
-            runner.model.load_weights(weights=counted())
-        return loaded
+            runner.model.load_weights(weights=weights)
 
     def weights_digest(self) -> str:
         return module_digest(self.model_runner.model)  # type: ignore[attr-defined]

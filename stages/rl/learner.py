@@ -438,9 +438,20 @@ class Learner:
 
     # --- weights to the rollout engines (loupe.rollout.weight_sync) ----------------------------------------
 
+    def policy_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The policy's tensors by Hugging Face name, as the engines and the final model hold them."""
+        return iter(self.model.state_dict().items())
+
     def weight_specs(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         """(name, dtype, full shape) of every tensor the engines receive, in the order `send_weights` walks."""
-        return [(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in self.model.state_dict().items()]
+        return [(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in self.policy_weights()]
+
+    def cast_weights(self, manifest: list) -> Iterator[tuple[str, torch.Tensor]]:
+        """The policy's tensors in the engines' dtype, one at a time, for an engine in this process (no transport)."""
+        from loupe.rollout.weight_sync import cast_weights
+
+        with torch.no_grad():
+            yield from cast_weights(self.policy_weights(), manifest)
 
     def sync_address(self) -> tuple[str, int]:
         """Where the weight-sync group meets: this node and a free port (called on rank 0)."""
@@ -473,7 +484,7 @@ class Learner:
         """Broadcast the policy to the engines, bucket by bucket; every rank walks the tensors (sharded ones
         are gathered collectively), rank 0 sends. Returns the bytes sent."""
         with torch.no_grad():
-            return send_weights(getattr(self, "sync_group", None), self.model.state_dict().items(), manifest)
+            return send_weights(getattr(self, "sync_group", None), self.policy_weights(), manifest)
 
     def save_model(self, final: Path, model_path: str | Path) -> None:
         """Write the policy as a Hugging Face model directory (weights, config, processor) that eval loads.

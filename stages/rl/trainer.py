@@ -324,6 +324,10 @@ class Trainer:
         if self.workers.colocated:  # the engine generates with the learner's own module: nothing to send
             self.sync_backend = "none"
             return
+        if self.workers.direct:  # the engines' models are in this process: the learner hands its tensors over
+            self.sync_backend = "direct"
+            self.run.set_tags({"rl.weight_sync_backend": self.sync_backend})
+            return
         # By where each rank's weights live, not by configuration: NCCL refuses two ranks on one GPU, which a
         # one-rank learner on cuda:0 and a worker Ray put on GPU 0 would be (weight_sync.choose_backend).
         identities = self.workers.device_identities()

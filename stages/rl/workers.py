@@ -108,6 +108,12 @@ class RolloutWorker:
     def receive_weights(self, manifest: list) -> int:
         return self.engine.receive_weights(manifest)
 
+    def load_weights(self, weights: Any) -> int:
+        return self.engine.load_weights(weights)
+
+    def weights_changed(self) -> None:
+        self.engine.weights_changed()
+
     def weights_format(self) -> tuple[str, str]:
         return self.engine.weights_format()
 
@@ -231,6 +237,10 @@ class WorkerSet:
                             for i in range(r.num_workers)]
         else:
             self.workers = [RolloutWorker(*args, index=i, sleep_mode=self.sleeps) for i in range(params.ray.num_workers)]
+        self.direct = not self.colocated and not self.use_ray and all(w.engine.receives_in_process for w in self.workers)
+        """The engines' models live in this process, the learner's (Ray off, the transformers engine): weights are
+        handed over directly, with no transport. Issue 41: on one GPU the transport rule picked `ipc` here, and
+        a CUDA IPC handle cannot be opened by the process that made it, so the sync waited for ever."""
 
     def _call(self, calls: list[tuple[Any, str, tuple]]) -> list[Any]:
         return self._finish(self._start(calls))
@@ -309,7 +319,7 @@ class WorkerSet:
     def connect_weights(self, learner: Any, identities: list[list[str]], backend: str, timeout_s: float) -> None:
         """Form the weight-sync group: the learner's rank 0 as rank 0, then each worker's receiving processes
         (`identities`, from `device_identities`) in order."""
-        if self.colocated:  # the engine generates with the learner's own module
+        if self.colocated or self.direct:  # the learner's own module, or weights handed over in this process
             return
         host, port = learner.sync_address()
         sizes = [len(found) for found in identities]
@@ -323,12 +333,21 @@ class WorkerSet:
 
     def sync_weights(self, learner: Any, manifest: list) -> int:
         """The learner's weights to every worker by broadcast; returns the bytes sent."""
-        if self.colocated:
-            return 0
-        pending = self._start([(w, "receive_weights", (manifest,)) for w in self.workers])
-        sent = learner.send_weights(manifest)
-        loaded = self._finish(pending)
         expected = sum(len(bucket) for bucket in manifest)
+        if self.colocated:
+            for worker in self.workers:
+                worker.weights_changed()
+            return 0
+        if self.direct:
+            loaded = [w.load_weights(learner.cast_weights(manifest)) for w in self.workers]
+            sent = 0
+        else:
+            pending = self._start([(w, "receive_weights", (manifest,)) for w in self.workers])
+            try:
+                sent = learner.send_weights(manifest)
+            finally:
+                # A receiver's own error says more than the sender's; either way no call is left behind.
+                loaded = self._finish(pending)
         if any(count != expected for count in loaded):
             raise RuntimeError(f"weight sync: workers loaded {loaded} tensors, the manifest holds {expected}")
         return sent
