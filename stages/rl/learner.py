@@ -139,7 +139,10 @@ class Learner:
         generation_budget: int,
         device: str | None = None,
         distributed: bool = False,
+        seed: int = 0,
     ):
+        """`seed`: the adapters' initialisation with LoRA (drawn from its own generator, so a resumed run starts
+        from the same adapters as the run it resumes before loading its checkpoint)."""
         from stages.rl.batching import ImageEncoder
         from stages.rl.precision import fsdp_mixed_precision
 
@@ -154,7 +157,12 @@ class Learner:
         # precision policy (stages/rl/precision.py). Loaded on CPU first when sharding: fully_shard moves each
         # rank's shard to its GPU, so no rank ever holds the whole model there.
         self.precision = fsdp_mixed_precision(params.mixed_precision, self.device)
-        self.model = load_model(model_path, device="cpu" if distributed else self.device, dtype=torch.float32)
+        if params.lora.rank and distributed:
+            raise ValueError("rl.lora: adapters train in a single-process learner (one GPU or the CPU)")
+        # With LoRA the base is frozen: no optimiser step rounds into it, so it is held in the compute dtype
+        # (bf16 on a GPU: 15 GB for 7B instead of 30); the adapters stay float32 (stages/rl/lora.py).
+        base_dtype = self.precision.param_dtype if params.lora.rank and self.precision is not None else torch.float32
+        self.model = load_model(model_path, device="cpu" if distributed else self.device, dtype=base_dtype)
         self.model.config.use_cache = False
         if params.attn_implementation:
             self.model.set_attn_implementation(params.attn_implementation)
@@ -162,6 +170,16 @@ class Learner:
             # Non-reentrant, the form torch.utils.checkpoint recommends: the reentrant one gives a layer no
             # gradient unless one of its positional inputs requires grad, and none to tensors passed by keyword.
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.lora = None
+        """The `PeftModel` around `model` when rl.lora is on (adapters injected into `model` in place)."""
+        if params.lora.rank:
+            from stages.rl.lora import attach_lora
+
+            cuda = torch.device(self.device).type == "cuda"
+            devices = [torch.device(self.device).index or 0] if cuda else []
+            with torch.random.fork_rng(devices=devices):  # peft draws lora_A from torch's global generators
+                torch.manual_seed(seed)
+                self.lora = attach_lora(self.model, params.lora)
         if distributed:
             shard_model(self.model, mp_policy=self.precision)
         # A sharded model casts itself (the policy went to fully_shard); an unsharded one autocasts its forward.
@@ -177,11 +195,15 @@ class Learner:
         self.images = ImageEncoder(
             processor.image_processor, getattr(self.model.config, "image_token_id", None), params.image_cache_mb
         )
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        """What the optimiser steps: every weight, or the adapters alone with LoRA."""
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=params.lr, betas=params.betas, weight_decay=params.weight_decay
+            self.trainable, lr=params.lr, betas=params.betas, weight_decay=params.weight_decay
         )
+        self.has_reference = params.kl.coef > 0
         self.reference = None
-        if params.kl.coef > 0:
+        """A frozen copy of the starting policy for KL; with LoRA the policy itself, adapters off."""
+        if self.has_reference and self.lora is None:
             # Never updated, so kept in the compute dtype (bf16 under mixed precision, as verl's
             # ActorRolloutRefWorker._build_model_optimizer loads its reference) and autocast like the policy.
             ref_dtype = self.precision.param_dtype if self.precision is not None else torch.float32
@@ -231,10 +253,17 @@ class Learner:
 
         `filler` (sharded runs) is a sequence to run, and discard, where this rank has fewer micro-batches.
         """
-        model = self.reference if reference else self.model
-        if model is None:
+        if reference and not self.has_reference:
             raise ValueError("no reference model: kl.coef is 0")
-        precision = self.precision if reference else self.autocast  # the reference is never sharded
+        if reference and self.lora is not None:
+            with self.lora.disable_adapter():
+                return self._logprobs(self.model, self.autocast, sequences, filler)
+        if reference:
+            return self._logprobs(self.reference, self.precision, sequences, filler)  # the reference is never sharded
+        return self._logprobs(self.model, self.autocast, sequences, filler)
+
+    def _logprobs(self, model: Any, precision: Any, sequences: list[TrainSequence],
+                  filler: list[TrainSequence] | None) -> list[torch.Tensor]:
         trained = [s for s in sequences if s.num_trained]
         flat: list[torch.Tensor] = []
         for micro in self._micro_batches(trained):
@@ -307,7 +336,7 @@ class Learner:
                     critic_norms.append(self.critic.step())
                 if not train_policy:
                     continue
-                norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), p.max_grad_norm)
+                norm = torch.nn.utils.clip_grad_norm_(self.trainable, p.max_grad_norm)
                 norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
                 grad_norms.append(norm)
                 if math.isfinite(norm):
@@ -337,7 +366,7 @@ class Learner:
         advantages = torch.cat([s.advantages() for s in micro]).to(device)
         seq_ids = torch.cat([torch.full((s.num_trained,), i, dtype=torch.long) for i, s in enumerate(micro)]).to(device)
         ref = None
-        if self.reference is not None and all(s.ref_logprobs is not None for s in micro):
+        if self.has_reference and all(s.ref_logprobs is not None for s in micro):
             ref = torch.cat([s.ref_logprobs for s in micro]).to(device)  # type: ignore[misc]
         loss, stats = policy_loss(logprobs, old, advantages, normaliser, self.loss_cfg, ref, entropy, seq_ids)
         # Each rank's loss is divided by the global normaliser, so the batch's gradient is the ranks' sum; FSDP
@@ -356,7 +385,7 @@ class Learner:
             largest = torch.tensor([totals.get("ratio_max", 0.0)], dtype=torch.float64, device=self.device)
             torch.distributed.all_reduce(largest, op=torch.distributed.ReduceOp.MAX)
             totals.update(dict(zip(SUMMED_STATS, summed.tolist())), ratio_max=float(largest))
-            if self.reference is None:
+            if not self.has_reference:
                 totals.pop("kl_sum", None)
             tokens = totals.get("tokens", 0.0)
         per_token = max(tokens, 1.0)
@@ -391,7 +420,7 @@ class Learner:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
             return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.policy_weights()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         if self.distributed:
@@ -408,11 +437,27 @@ class Learner:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=self._checkpoint_options())
+        model_state = self._checkpointed(model_state)
         with _single_process_checkpoint(self.distributed):
             dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(folder), no_dist=not self.distributed)
             if self.critic is not None:
                 dcp.save(self.critic.state(), checkpoint_id=str(critic_folder(folder)), no_dist=not self.distributed)
+
+    def _checkpoint_options(self) -> Any:
+        """With LoRA a checkpoint holds the adapters and their moments only: the frozen base is the --model
+        directory's, read again at start (for 7B, megabytes a checkpoint instead of 15 GB)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(ignore_frozen_params=self.lora is not None, strict=self.lora is None)
+
+    def _checkpointed(self, model_state: dict[str, Any]) -> dict[str, Any]:
+        """With LoRA, the trained tensors alone: `ignore_frozen_params` still keeps a head tied to the frozen
+        embeddings (a state-dict entry that is no parameter of its own)."""
+        if self.lora is None:
+            return model_state
+        trained = {name for name, p in self.model.named_parameters() if p.requires_grad}
+        return {k: v for k, v in model_state.items() if k in trained}
 
     def load_checkpoint(self, folder: Path) -> None:
         """Load a `save_checkpoint` folder in place: each rank reads its own shard into its own tensors."""
@@ -421,11 +466,13 @@ class Learner:
 
         if not (Path(folder) / ".metadata").is_file():
             raise FileNotFoundError(f"{folder}: not a checkpoint of this version (no torch.distributed.checkpoint .metadata)")
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
-        state = {"model": model_state, "optimizer": optimizer_state}
+        options = self._checkpoint_options()
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=options)
+        state = {"model": self._checkpointed(model_state), "optimizer": optimizer_state}
         with _single_process_checkpoint(self.distributed):
             dcp.load(state, checkpoint_id=str(folder), no_dist=not self.distributed)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=options)
         self.scheduler = lr_scheduler(self.optimizer, self.params, optimizer_steps_taken(self.optimizer))
         if self.critic is not None:
             if not (critic_folder(folder) / ".metadata").is_file():
@@ -439,7 +486,12 @@ class Learner:
     # --- weights to the rollout engines (loupe.rollout.weight_sync) ----------------------------------------
 
     def policy_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The policy's tensors by Hugging Face name, as the engines and the final model hold them."""
+        """The policy's tensors by Hugging Face name, as the engines and the final model hold them (with LoRA the
+        adapters merged into their layers, stages/rl/lora.py)."""
+        if self.lora is not None:
+            from stages.rl.lora import merged_weights
+
+            return merged_weights(self.lora)
         return iter(self.model.state_dict().items())
 
     def weight_specs(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
@@ -492,14 +544,17 @@ class Learner:
         The process that writes it renames it into place (rank 0 of a sharded group, after gathering the full
         weights, which every rank joins): no folder written on one node is renamed from another.
         """
-        if self.distributed:
-            state = self.state_dict()
+        if self.distributed or self.lora is not None:
+            with torch.no_grad():
+                state = self.state_dict()
             if self.rank != 0:
                 return
             from transformers import AutoModelForImageTextToText
 
-            model = AutoModelForImageTextToText.from_pretrained(str(model_path), dtype=torch.float32)
-            model.load_state_dict(state)
+            # With LoRA: merged, in the base's dtype (bf16 on a GPU: what vLLM and eval load anyway).
+            dtype = next(self.model.parameters()).dtype if self.lora is not None else torch.float32
+            model = AutoModelForImageTextToText.from_pretrained(str(model_path), dtype=dtype)
+            model.load_state_dict({k: v.to(dtype) for k, v in state.items()})
         else:
             model = self.model
         with atomic_directory(Path(final)) as tmp:
@@ -509,4 +564,6 @@ class Learner:
             finally:
                 self.model.config.use_cache = False
             load_processor(model_path).save_pretrained(tmp)
+            if self.lora is not None:  # the adapters apart too, for peft or vLLM's LoRA serving
+                self.lora.save_pretrained(tmp / "adapter")
             make_readable(tmp)

@@ -194,6 +194,28 @@ class CriticParams(Section):
     """Whiten GAE advantages over the batch's trained tokens (mean 0, std 1), as OpenRLHF and verl do."""
 
 
+class LoraParams(Section):
+    """Low-rank adapters on the policy (peft's LoRA), so a 7B policy trains on one 80 GB GPU: the base weights are
+    frozen (held in the compute dtype, bf16 on a GPU), only the adapters and their AdamW moments are float32.
+    The reference for KL is the same model with its adapters switched off, not a second copy. The engines get
+    merged weights; checkpoints hold the adapters; the final `model/` is merged (its `adapter/` keeps them apart).
+    Field names follow verl's `actor_rollout_ref.model.lora_rank`/`lora_alpha`/`target_modules`/`exclude_modules`."""
+
+    rank: int = Field(0, ge=0)
+    """LoRA rank; 0 trains every weight (no adapters)."""
+    alpha: float = Field(16.0, gt=0)
+    """LoRA's alpha: the adapters' update is scaled by alpha / rank."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input while training (0 keeps the learner's and the engine's policy the same)."""
+    target_modules: list[str] | str = "all-linear"
+    """Modules that get adapters: peft's `all-linear` (every linear layer but the output head), a list of module
+    names (`[q_proj, k_proj, v_proj, o_proj]`) or a regular expression over full module names."""
+    exclude_modules: list[str] | str | None = r".*\bvisual\b.*"
+    """Modules kept without adapters, as peft's `exclude_modules` reads it (a regular expression over full names,
+    or a list of names). The default freezes the vision tower and its merger, as LLaMA-Factory's
+    `freeze_vision_tower` does; null adapts them too."""
+
+
 class RayParams(Section):
     """Where the actors run. Without Ray everything runs in this process (tests, debugging)."""
 
@@ -286,6 +308,8 @@ class RLParams(Section):
     """Test-time RL on unlabeled questions (`train_split` names them, e.g. test)."""
     pixelis: PixelisRewardParams = PixelisRewardParams()
     """Pixelis' reward: curiosity and coherence brought in by a curriculum, tool-misuse penalties."""
+    lora: LoraParams = LoraParams()
+    """Low-rank adapters instead of full fine-tuning (`rank` above 0): one GPU for a 7B policy."""
     critic: CriticParams = CriticParams()
     """The value model (estimator ppo only)."""
     kl: KLParams = KLParams()
@@ -465,6 +489,9 @@ class RLParams(Section):
             raise ValueError("clip_low/clip_high: at least one clip range must be positive")
         if self.mini_batches > self.prompts_per_step * self.samples_per_prompt:
             raise ValueError("mini_batches: more mini-batches than sequences in a batch")
+        if self.lora.rank and self.learner_ranks > 1:
+            raise ValueError("lora: adapters train in a single-process learner (one GPU or the CPU); set "
+                             "ray.nodes x ray.gpus_per_node to 1, or lora.rank to 0 for the sharded learner")
         if self.overlap:
             if self.logprob_source != "rollout":
                 raise ValueError("overlap: the batch is sampled one update behind, so the importance ratio must use the "

@@ -289,7 +289,7 @@ class Trainer:
                 raise ValueError("rl.ray: a learner on several GPUs needs Ray (rl.ray.enabled: true)")
             self.learner: Any = LearnerGroup(str(i.model_path), p, i.rollout.temperature, i.generation_budget, p.learner_ranks)
         else:
-            self.learner = Learner(i.model_path, p, i.rollout.temperature, i.generation_budget)
+            self.learner = Learner(i.model_path, p, i.rollout.temperature, i.generation_budget, seed=i.seed)
         # Only the transformers engine generates with the learner's own module; colocated vLLM is a Ray actor on
         # a share of the learner's GPU that sleeps through updates and receives weights like any engine.
         colocated = self.learner.model if p.ray.colocate and i.rollout.engine == "transformers" else None
