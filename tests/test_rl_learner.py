@@ -138,7 +138,8 @@ def test_vision_markers_are_never_sampled_and_never_trained(tiny_model_dir, toy_
     trajectory from an engine that did write one is not trained (the learner could not replay it)."""
     from rl_helpers import write_params
 
-    from stages.rl.trainer import _trainable, read_inputs, wrote_vision_marker
+    from stages.rl.inputs import read_inputs
+    from stages.rl.trainer import _trainable, wrote_vision_marker
 
     worker = RolloutWorker(str(tiny_model_dir), RolloutParams(device="cpu"), ProtocolParams(name="single_turn"), str(toy_dir))
     model = worker.engine.model

@@ -15,6 +15,7 @@ now an in-process engine takes the learner's weights directly and no transport r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -89,3 +90,26 @@ def test_one_gpu_without_ray_finishes_its_steps_with_the_engine_on_the_learners_
     assert all(r["rollout/logprob_gap_max"] < 1e-3 for r in rows[1:]), [r["rollout/logprob_gap_max"] for r in rows]
     assert all(r["time/sync"] < 2.0 for r in rows)  # no wait on a transport
     assert time.monotonic() - started < 120
+
+
+def _gap_of_one_colocated_step(tiny_model_dir, toy_dir, out: Path, monkeypatch, engine_autocast: bool) -> dict:
+    from loupe.rollout.hf import TransformersEngine
+
+    if not engine_autocast:  # the engine as it was: the learner's float32 module in float32
+        monkeypatch.setattr(TransformersEngine, "_autocast", lambda self: contextlib.nullcontext())
+    params = write_params(out.with_suffix(".yaml"), {"steps": 1, "mixed_precision": "bf16", "samples_per_prompt": 8,
+                                                     "ray": {"enabled": False, "colocate": True}},
+                          rollout={"max_new_tokens": 16})
+    rl_main.train(params, tiny_model_dir, toy_dir, out, progress=False)
+    monkeypatch.undo()
+    return _train_rows(out)[0]
+
+
+def test_a_colocated_engine_generates_in_the_learners_bf16(tiny_model_dir, toy_dir, tmp_path, monkeypatch):
+    """Colocated mode on a GPU: the engine generates with the learner's float32 module under the learner's bf16
+    autocast. Forced here on the CPU (mixed_precision: bf16): the engine's log-probs are the bf16 learner's to
+    within bf16's rounding of two forwards that differ only in batching, far closer than a float32 engine's
+    (measured: mean 5.5e-5, p99 9.9e-4 nats against 4.8e-4 and 1.6e-3 for a float32 engine)."""
+    bf16 = _gap_of_one_colocated_step(tiny_model_dir, toy_dir, tmp_path / "bf16", monkeypatch, engine_autocast=True)
+    fp32 = _gap_of_one_colocated_step(tiny_model_dir, toy_dir, tmp_path / "fp32", monkeypatch, engine_autocast=False)
+    assert bf16["rollout/logprob_gap_mean"] < fp32["rollout/logprob_gap_mean"] / 2

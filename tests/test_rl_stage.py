@@ -20,7 +20,8 @@ from rl_helpers import make_toy_tasks, one_torch_thread, write_params  # noqa: F
 from safetensors.torch import load_file
 
 from stages.rl import __main__ as rl_main
-from stages.rl.trainer import Trainer, read_inputs
+from stages.rl.inputs import read_inputs
+from stages.rl.trainer import Trainer
 
 
 @pytest.fixture(scope="module")

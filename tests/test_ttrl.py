@@ -98,7 +98,8 @@ def test_the_rl_stage_trains_on_votes_without_labels(tiny_model_dir, tmp_path, m
     (the toy's reward: the label's letter in the response) and keeps its buffer in each checkpoint. The untrained
     tiny model writes no `<answer>`, so a sample's vote here is the first option letter in its text."""
     import stages.rl.ttrl as ttrl
-    from stages.rl.trainer import Trainer, read_inputs
+    from stages.rl.inputs import read_inputs
+    from stages.rl.trainer import Trainer
 
     def first_letter(trajectory):
         text = next(t.text for t in reversed(trajectory.turns) if t.role == "assistant")

@@ -148,6 +148,49 @@ def test_rl_stage_on_vllm_syncs_every_step_and_keeps_the_log_prob_gap_small(vllm
     assert load_model(out / "model", device="cpu") is not None
 
 
+def test_lora_rl_on_vllm_without_ray_syncs_merged_weights_and_its_model_serves_on_vllm(vllm_python, model_dir, tmp_path):
+    """rl.lora with Ray off and the vLLM engine: vLLM's model lives in its own worker processes, so the merged
+    weights still travel over a transport (gloo on the CPU) after each update; the merged `model/` then loads in
+    vLLM for the eval stage."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from rl_helpers import make_toy_tasks, write_params
+
+    from loupe.data.synthetic import SyntheticConfig, generate_tasks
+
+    tasks = make_toy_tasks(tmp_path / "toy")
+    params = write_params(
+        tmp_path / "params.yaml",
+        {"steps": 2, "prompts_per_step": 2, "samples_per_prompt": 4, "checkpoint_every": 2, "lr": 0.05,
+         "lora": {"rank": 8, "alpha": 16}, "ray": {"enabled": False}},
+        protocol={"name": "mini_o3", "max_turns": 2, "max_context_tokens": 2048},
+        rollout={"engine": "vllm", "vllm_dtype": "float32", "max_new_tokens": 16},
+    )
+    out = tmp_path / "out"
+    run_stage(vllm_python, "rl", "--params", str(params), "--model", model_dir, "--tasks", str(tasks), "--out", str(out))
+    train = [row for row in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if row["kind"] == "train"]
+    assert [row["step"] for row in train] == [1, 2]
+    # Step 2 was sampled by vLLM after the merged sync: its log-probs are the adapted learner's.
+    assert train[1]["time/sync"] > 0 and train[1]["rollout/logprob_gap_p99"] < GAP_P99_BOUND, train[1]
+    from safetensors.torch import load_file
+
+    start = load_file(str(next(Path(model_dir).glob("*.safetensors"))))
+    learnt = load_file(str(next((out / "model").glob("*.safetensors"))))
+    assert start.keys() == learnt.keys() and any(not (start[k] == learnt[k]).all() for k in start)
+    assert (out / "model" / "adapter" / "adapter_config.json").is_file()
+
+    generate_tasks(tmp_path / "tasks", SyntheticConfig(seed=3, train=0, val=0, test=2, canvas_side=(1024, 1100)))
+    eval_params = {
+        "seed": 5, "protocol": {"max_turns": 2, "max_context_tokens": 4096},
+        "rollout": {"engine": "vllm", "max_new_tokens": 16, "temperature": 0.0, "vllm_dtype": "float32"},
+        "eval": {"benchmarks": [{"name": "synthetic", "path": str(tmp_path / "tasks")}], "samples": 1, "max_turns": 2},
+    }
+    (tmp_path / "eval.yaml").write_text(yaml.safe_dump(eval_params))
+    run_stage(vllm_python, "eval", "--params", str(tmp_path / "eval.yaml"), "--model", str(out / "model"),
+              "--out", str(tmp_path / "eval"), "--no-progress")
+    metrics = json.loads((tmp_path / "eval" / "model" / "metrics.json").read_text())
+    assert metrics["benchmarks"]["synthetic"]["questions"] == 2
+
+
 def test_eval_stage_on_vllm_matches_the_transformers_engine_greedily(vllm_python, model_dir, tmp_path):
     from loupe.data.synthetic import SyntheticConfig, generate_tasks
     from stages.eval.__main__ import main as eval_main

@@ -184,8 +184,10 @@ def _group_in_thread(host, port, rank, world, backend, timeout_s, then=None):
     return thread, found
 
 
-def _state_and_manifest():
-    state = {"a.weight": torch.randn(64, 64), "b.weight": torch.randn(64)}
+def _state_and_manifest(large: bool = False):
+    """Two tensors in several buckets; `large`, a 32 MiB first bucket: more than loopback's socket buffers hold, so a
+    gloo broadcast from the root cannot complete before a receiver reads it (a small one is sent and done)."""
+    state = {"a.weight": torch.randn(4096, 2048) if large else torch.randn(64, 64), "b.weight": torch.randn(64)}
     manifest = plan_manifest([(k, v.dtype, tuple(v.shape)) for k, v in state.items()], torch.float32, bucket_bytes=1 << 12)
     return state, manifest
 
@@ -194,9 +196,9 @@ def _state_and_manifest():
 def test_an_engine_that_never_receives_ends_the_learners_wait_within_the_timeout(backend):
     from loupe.rollout.weight_sync import WeightSyncError
 
-    state, manifest = _state_and_manifest()
+    state, manifest = _state_and_manifest(large=True)
     host, port = free_address()
-    thread, engine = _group_in_thread(host, port, 1, 2, backend, 2.0)  # joins, then never calls receive
+    _thread, _engine = _group_in_thread(host, port, 1, 2, backend, 2.0)  # joins, never receives (kept alive)
     learner = SyncGroup(host, port, 0, 2, backend, 2.0)
     started = time.monotonic()
     with pytest.raises(WeightSyncError) as raised:

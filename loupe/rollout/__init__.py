@@ -21,9 +21,12 @@ def make_engine(
     model: Any = None,
     processor: Any = None,
     sleep_mode: bool = False,
+    compute_dtype: Any = None,
 ) -> Engine:
     """Build the engine `rollout.engine` names; a loaded `model`/`processor` pair is reused when given.
-    `sleep_mode`: a vLLM engine that can free its GPU memory while a colocated learner updates."""
+    `sleep_mode`: a vLLM engine that can free its GPU memory while a colocated learner updates.
+    `compute_dtype`: the transformers engine generates under autocast to it (a colocated learner's float32
+    module in bf16 on a GPU)."""
     stop = get_protocol(protocol.name).stop
     if rollout.engine == "openai":
         from loupe.rollout.openai_engine import OpenAIEngine
@@ -60,7 +63,8 @@ def make_engine(
     from loupe.rollout.hf import TransformersEngine
 
     model = model if model is not None else load_model(model_path, device=rollout.device)
-    engine = TransformersEngine(model, processor, stop, rollout.temperature, rollout.top_p, rollout.batch_size, seed)
+    engine = TransformersEngine(model, processor, stop, rollout.temperature, rollout.top_p, rollout.batch_size, seed,
+                                compute_dtype=compute_dtype)
     engine.top_k = rollout.top_k
     engine.later_temperature = rollout.later_turn_temperature
     return engine

@@ -13,6 +13,8 @@ left-padded and their new images concatenated in row order, which is how Qwen2-V
 
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -261,9 +263,14 @@ class TransformersEngine(TokenContextEngine):
         top_p: float = 1.0,
         batch_size: int = 64,
         seed: int = 0,
+        compute_dtype: torch.dtype | None = None,
     ):
+        """`compute_dtype`: generate under `torch.autocast` to this dtype, for a module whose weights are float32
+        (a colocated learner's, bf16 on a GPU: the learner's own forward runs the same autocast, so the engine's
+        and the learner's log-probs round alike). None runs the module in its own dtype."""
         super().__init__(processor, stop, temperature, top_p, batch_size)
         self.model = model.eval()
+        self.compute_dtype = compute_dtype
         self.device = next(model.parameters()).device
         # Qwen2-VL-family models place image tokens with 3D (mrope) positions, as in training and vLLM: every
         # forward pass here is given them explicitly (kv_batch.Positions).
@@ -278,6 +285,13 @@ class TransformersEngine(TokenContextEngine):
     def reseed(self, seed: int) -> None:
         self.generator.manual_seed(seed)
 
+    def _autocast(self) -> Any:
+        """The compute-dtype region around a whole prefill or poll, not each forward: autocast caches its casts of
+        the float32 weights until the outermost region ends, so a poll's decode steps share one cast."""
+        if self.compute_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
     @torch.inference_mode()
     def begin(self, system: str, question: str, images: list[Image.Image]) -> _State:
         """A new dialogue whose prompt is already in the cache but for its last token: the K samples of a task
@@ -285,7 +299,8 @@ class TransformersEngine(TokenContextEngine):
         state = super().begin(system, question, images)
         key = self._last_prompt[0] if self._last_prompt is not None else None
         if self._prompt_cache is None or self._prompt_cache[0] != key:
-            self._prompt_cache = (key, self._prefill_prompt(state))
+            with self._autocast():
+                self._prompt_cache = (key, self._prefill_prompt(state))
         state.cache = self._prompt_cache[1]
         return state
 
@@ -364,6 +379,10 @@ class TransformersEngine(TokenContextEngine):
         runs): each admission is one prefill forward pass, so joining one row at a time would spend a pass a
         row.
         """
+        with self._autocast():
+            return self._poll()
+
+    def _poll(self) -> list[tuple[int, Generation]]:
         queue = self._queue().turns
         if not queue and self._running is None:
             raise RuntimeError(f"{self.name} engine: poll with no turn submitted")
@@ -391,6 +410,10 @@ class TransformersEngine(TokenContextEngine):
         decoded until its longest turn ends; a row whose turn ended keeps its slot (fed padding, its output
         dropped) and no turn joins. The round-synchronous baseline of `benchmarks/rollout_throughput.py`."""
         self.model.eval()
+        with self._autocast():
+            return self._generate(states, max_new_tokens)
+
+    def _generate(self, states: list[_State], max_new_tokens: int) -> list[Generation]:
         out: dict[int, Generation] = {}
         for start in range(0, len(states), self.batch_size):
             rows = [Row(start + i, state, self.turn_budget(state, max_new_tokens))

@@ -29,7 +29,8 @@ from pathlib import Path
 
 from loupe.config import ParamsError, params_with_overrides
 from loupe.tracking import stage_run
-from stages.rl.trainer import Trainer, read_inputs
+from stages.rl.inputs import read_inputs
+from stages.rl.trainer import Trainer
 
 
 def train(params_path: Path, model_path: Path, tasks_dir: Path, out_dir: Path, progress: bool = True,

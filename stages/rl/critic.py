@@ -127,7 +127,7 @@ class Critic:
             body.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model = ValueModel(body)
         if distributed:
-            from stages.rl.learner import shard_model
+            from stages.rl.sharding import shard_model
 
             shard_model(body, mp_policy=precision, root=self.model)
         else:

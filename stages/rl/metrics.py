@@ -93,6 +93,19 @@ TRAIN_PLOT_KEYS = (
 )
 
 
+def peak_device_memory() -> dict[str, float]:
+    """The GPU memory high-water marks since the last call (allocated by tensors, reserved by the caching
+    allocator), in GiB, and a reset for the next step; nothing without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    peak = {"memory/peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "memory/peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30}
+    torch.cuda.reset_peak_memory_stats()
+    return peak
+
+
 def write_plots(rows: list[dict[str, Any]], out_dir: Path) -> None:
     """DVC plot data (train.json, val.json under plots/) and PNGs of reward, accuracy and validation."""
     plots = Path(out_dir) / "plots"

@@ -5,7 +5,7 @@ optimiser step adds a small update to a float32 weight (bf16 has 8 mantissa bits
 a bf16 weight would round away). Only the forward and backward arithmetic runs in bfloat16, one of two ways,
 both decided by the same policy object (`fsdp_mixed_precision`):
 
-- sharded (FSDP2, `learner.shard_model`): the policy is given to every `fully_shard`; FSDP casts each shard to
+- sharded (FSDP2, `sharding.shard_model`): the policy is given to every `fully_shard`; FSDP casts each shard to
   `param_dtype` before its all-gather, so the gathered weights, the activations and the gradients are bf16,
   and reduces the gradients in `reduce_dtype` float32 into the float32 sharded gradients (torch's FSDP2 docs,
   `torch.distributed.fsdp.MixedPrecisionPolicy`; verl's `verl/workers/fsdp_workers.py`,

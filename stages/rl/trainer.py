@@ -35,8 +35,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from loupe.config import ProtocolParams, RolloutParams, load_section, load_seed
-from loupe.data.tasks import TaskRecord, read_tasks
+from loupe.data.tasks import TaskRecord
 from loupe.io import atomic_write_json
 from loupe.tracking import NullRun, StageRun
 from loupe.trajectory import Trajectory
@@ -45,12 +44,13 @@ from loupe.sample_metrics import summarize
 from stages.rl import checkpoint as ckpt
 from stages.rl.advantages import compute_advantages, gae, groups_with_signal
 from stages.rl.batching import TrainSequence
-from stages.rl.cluster import absolute_params, absolute_path
+from stages.rl.cluster import absolute_path
+from stages.rl.inputs import Inputs
 from stages.rl.loss import kl_estimate
-from stages.rl.metrics import MetricsLog, rollout_metrics, write_plots
+from stages.rl.metrics import MetricsLog, peak_device_memory, rollout_metrics, write_plots
 from stages.rl.params import RLParams
 from stages.rl.pixelis import PixelisShaper
-from stages.rl.ttrl import PseudoLabeler, unlabeled
+from stages.rl.ttrl import PseudoLabeler
 from stages.rl.shaping import curiosity_bonus, longest_turn, overlong_penalty, token_rewards
 
 TTRL_STATE = "ttrl_buffer.json"
@@ -90,88 +90,6 @@ class PromptStream:
             out.append(int(self._order(epoch)[index]))
             self.position += 1
         return out
-
-
-@dataclass
-class Inputs:
-    """Everything a run reads, validated before any model loads."""
-
-    seed: int
-    params: RLParams
-    protocol: ProtocolParams
-    rollout: RolloutParams
-    model_path: Path
-    tasks_dir: Path
-    train: list[TaskRecord]
-    val: list[TaskRecord]
-    vision_markers: frozenset[int] = frozenset()
-    """Token ids of image/video markers: a trajectory whose model wrote one cannot be replayed (see _trainable)."""
-
-    @property
-    def max_turns(self) -> int:
-        return self.params.max_turns or self.protocol.max_turns
-
-    @property
-    def generation_budget(self) -> int:
-        """Most tokens one trajectory can generate (the token_sum normaliser's per-sequence constant)."""
-        return self.rollout.max_new_tokens * self.max_turns
-
-
-def read_inputs(params_path: Path, model_path: Path, tasks_dir: Path, section: str = "rl") -> Inputs:
-    """`section`: the params section of RL settings (`rl`; a pipeline's earlier RL stage reads its own)."""
-    seed = load_seed(params_path)
-    params = absolute_params(load_section(RLParams, section, params_path))
-    # Actors run in their node's working directory, not this one: they get absolute paths only.
-    model_path, tasks_dir = absolute_path(model_path), absolute_path(tasks_dir)
-    protocol = load_section(ProtocolParams, "protocol", params_path)
-    rollout = load_section(RolloutParams, "rollout", params_path)
-    updates: dict[str, Any] = {}
-    if params.temperature is not None:
-        updates["temperature"] = params.temperature
-    if params.max_new_tokens is not None:
-        updates["max_new_tokens"] = params.max_new_tokens
-    rollout = rollout.model_copy(update=updates)
-    if rollout.temperature <= 0:
-        raise ValueError(f"{params_path}: rl.temperature: RL needs sampling (temperature > 0), got rollout.temperature 0")
-    if rollout.engine == "openai":
-        raise ValueError(f"{params_path}: rollout.engine: the openai engine keeps no token ids to train on; use transformers or vllm")
-    if rollout.later_turn_temperature is not None and params.logprob_source != "recompute":
-        raise ValueError(f"{params_path}: rollout.later_turn_temperature: later turns sample at another temperature than "
-                         "the learner scores at, so the sampler's log-probs are not the old policy's; set "
-                         f"{section}.logprob_source: recompute")
-    if params.ray.colocate and rollout.engine == "transformers" and (params.ray.num_workers != 1 or params.learner_ranks != 1):
-        raise ValueError(
-            f"{params_path}: rl.ray.colocate: colocated mode runs one transformers engine on the learner's own module "
-            f"(rl.ray.num_workers: 1, one learner rank); got {params.ray.num_workers} workers, "
-            f"{params.learner_ranks} learner ranks"
-        )
-    if params.ray.colocate and rollout.engine == "vllm" and not (params.ray.enabled and params.learner_ranks == 1):
-        raise ValueError(
-            f"{params_path}: rl.ray.colocate: vLLM colocated with the learner runs as a Ray actor on a share of the "
-            f"learner's GPU (rl.ray.enabled: true, gpus_per_worker below 1) beside one learner rank; got "
-            f"{params.learner_ranks} learner ranks"
-        )
-    if not (Path(model_path) / "config.json").is_file():
-        raise FileNotFoundError(f"{model_path}: not a Hugging Face model directory (no config.json)")
-    train_file = Path(tasks_dir) / f"{params.train_split}.jsonl"
-    train = read_tasks(train_file, check_images=True)
-    if not train:
-        raise ValueError(f"{train_file}: holds no task records; rl needs at least one training prompt")
-    if params.ttrl.enabled:
-        train = unlabeled(train)  # test-time RL never holds a label
-    val: list[TaskRecord] = []
-    if params.val_every:
-        val_file = Path(tasks_dir) / f"{params.val_split}.jsonl"
-        val = read_tasks(val_file, check_images=True)
-        if not val:
-            raise ValueError(f"{val_file}: holds no task records; set rl.val_every: 0 to train without validation")
-        val = val[: params.val_prompts] if params.val_prompts else val
-    config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
-    markers = frozenset(
-        config[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-        if isinstance(config.get(k), int)
-    )
-    return Inputs(seed, params, protocol, rollout, Path(model_path), Path(tasks_dir), train, val, markers)
 
 
 def logprob_gap(engine: list[torch.Tensor], learner: list[torch.Tensor]) -> dict[str, float]:
@@ -293,8 +211,10 @@ class Trainer:
         # Only the transformers engine generates with the learner's own module; colocated vLLM is a Ray actor on
         # a share of the learner's GPU that sleeps through updates and receives weights like any engine.
         colocated = self.learner.model if p.ray.colocate and i.rollout.engine == "transformers" else None
+        precision = getattr(self.learner, "precision", None)  # bf16 on a GPU: the engine generates as the learner computes
         self.workers = WorkerSet(
-            str(i.model_path), i.rollout, i.protocol, str(i.tasks_dir), p, i.seed, self.use_ray, colocated_model=colocated
+            str(i.model_path), i.rollout, i.protocol, str(i.tasks_dir), p, i.seed, self.use_ray, colocated_model=colocated,
+            colocated_dtype=precision.param_dtype if precision is not None else None,
         )
         self._connect_weights()
         found = ckpt.latest_checkpoint(self.out_dir)
@@ -561,6 +481,7 @@ class Trainer:
                 "throughput/rollout_tokens_per_s": timing["generated_tokens"] / max(timing["rollout"], 1e-9),
                 "throughput/update_tokens_per_s": processed / max(timing["update"], 1e-9) if trained else 0.0,
                 "stream/position": self.stream.position,
+                **peak_device_memory(),
             }
         )
         return row

@@ -66,13 +66,15 @@ class RolloutWorker:
         index: int = 0,
         model: Any = None,
         sleep_mode: bool = False,
+        compute_dtype: Any = None,
     ):
         require_on_node({"model (--model)": model_path, "tasks (--tasks)": image_root})
         self.protocol = protocol
         self.image_root = image_root
         self.index = index
         # `model`: the learner's own module (colocated mode); the engine then generates with the live policy.
-        self.engine = make_engine(rollout, protocol, model_path=model_path, seed=seed, model=model, sleep_mode=sleep_mode)
+        self.engine = make_engine(rollout, protocol, model_path=model_path, seed=seed, model=model, sleep_mode=sleep_mode,
+                                  compute_dtype=compute_dtype)
         if type(self.engine).trace is Engine.trace:  # the base class's: this engine keeps no token ids
             raise ValueError(f"rl: the {rollout.engine} engine keeps no token trace; use transformers or vllm")
 
@@ -217,15 +219,17 @@ class WorkerSet:
         seed: int,
         use_ray: bool,
         colocated_model: Any = None,
+        colocated_dtype: Any = None,
     ):
-        """`colocated_model`: the learner's module; one in-process worker generates with it (no weight sync)."""
+        """`colocated_model`: the learner's module; one in-process worker generates with it (no weight sync), under
+        autocast to `colocated_dtype` (the learner's compute dtype; None on CPU)."""
         self.colocated = colocated_model is not None
         self.use_ray = use_ray and not self.colocated
         args = (model_path, rollout, protocol, str(image_root), seed)
         # vLLM colocated on the learner's GPU(s): a Ray actor with a fraction of the GPU, asleep during updates.
         self.sleeps = params.ray.colocate and rollout.engine == "vllm"
         if self.colocated:
-            self.workers = [RolloutWorker(*args, index=0, model=colocated_model)]
+            self.workers = [RolloutWorker(*args, index=0, model=colocated_model, compute_dtype=colocated_dtype)]
         elif use_ray:
             import ray
 
@@ -382,7 +386,7 @@ class RewardService:
     """The reward pool, as a Ray actor or in-process; sends trajectories without their traces."""
 
     def __init__(self, params: RLParams, use_ray: bool):
-        # custom reward and judge cache are absolute already: trainer.read_inputs (cluster.absolute_params)
+        # custom reward and judge cache are absolute already: inputs.read_inputs (cluster.absolute_params)
         custom, reward = params.custom_reward, params.reward
         args = (reward, custom, params.ray.reward_concurrency, params.remote_reward)
         self.use_ray = use_ray

@@ -1,0 +1,101 @@
+"""What an rl run reads, validated before any model loads: the params sections, the model and the task splits.
+
+`read_inputs` checks every combination the stage cannot run (an engine without token ids, colocated modes
+it does not support, sampling at temperature 0) and names the params file and field; the trainer gets an
+`Inputs` with absolute paths, because Ray actors run in their node's working directory, not this one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loupe.config import ProtocolParams, RolloutParams, load_section, load_seed
+from loupe.data.tasks import TaskRecord, read_tasks
+from stages.rl.cluster import absolute_params, absolute_path
+from stages.rl.params import RLParams
+from stages.rl.ttrl import unlabeled
+
+
+@dataclass
+class Inputs:
+    """Everything a run reads, validated before any model loads."""
+
+    seed: int
+    params: RLParams
+    protocol: ProtocolParams
+    rollout: RolloutParams
+    model_path: Path
+    tasks_dir: Path
+    train: list[TaskRecord]
+    val: list[TaskRecord]
+    vision_markers: frozenset[int] = frozenset()
+    """Token ids of image/video markers: a trajectory whose model wrote one cannot be replayed (see _trainable)."""
+
+    @property
+    def max_turns(self) -> int:
+        return self.params.max_turns or self.protocol.max_turns
+
+    @property
+    def generation_budget(self) -> int:
+        """Most tokens one trajectory can generate (the token_sum normaliser's per-sequence constant)."""
+        return self.rollout.max_new_tokens * self.max_turns
+
+
+def read_inputs(params_path: Path, model_path: Path, tasks_dir: Path, section: str = "rl") -> Inputs:
+    """`section`: the params section of RL settings (`rl`; a pipeline's earlier RL stage reads its own)."""
+    seed = load_seed(params_path)
+    params = absolute_params(load_section(RLParams, section, params_path))
+    # Actors run in their node's working directory, not this one: they get absolute paths only.
+    model_path, tasks_dir = absolute_path(model_path), absolute_path(tasks_dir)
+    protocol = load_section(ProtocolParams, "protocol", params_path)
+    rollout = load_section(RolloutParams, "rollout", params_path)
+    updates: dict[str, Any] = {}
+    if params.temperature is not None:
+        updates["temperature"] = params.temperature
+    if params.max_new_tokens is not None:
+        updates["max_new_tokens"] = params.max_new_tokens
+    rollout = rollout.model_copy(update=updates)
+    if rollout.temperature <= 0:
+        raise ValueError(f"{params_path}: rl.temperature: RL needs sampling (temperature > 0), got rollout.temperature 0")
+    if rollout.engine == "openai":
+        raise ValueError(f"{params_path}: rollout.engine: the openai engine keeps no token ids to train on; use transformers or vllm")
+    if rollout.later_turn_temperature is not None and params.logprob_source != "recompute":
+        raise ValueError(f"{params_path}: rollout.later_turn_temperature: later turns sample at another temperature than "
+                         "the learner scores at, so the sampler's log-probs are not the old policy's; set "
+                         f"{section}.logprob_source: recompute")
+    if params.ray.colocate and rollout.engine == "transformers" and (params.ray.num_workers != 1 or params.learner_ranks != 1):
+        raise ValueError(
+            f"{params_path}: rl.ray.colocate: colocated mode runs one transformers engine on the learner's own module "
+            f"(rl.ray.num_workers: 1, one learner rank); got {params.ray.num_workers} workers, "
+            f"{params.learner_ranks} learner ranks"
+        )
+    if params.ray.colocate and rollout.engine == "vllm" and not (params.ray.enabled and params.learner_ranks == 1):
+        raise ValueError(
+            f"{params_path}: rl.ray.colocate: vLLM colocated with the learner runs as a Ray actor on a share of the "
+            f"learner's GPU (rl.ray.enabled: true, gpus_per_worker below 1) beside one learner rank; got "
+            f"{params.learner_ranks} learner ranks"
+        )
+    if not (Path(model_path) / "config.json").is_file():
+        raise FileNotFoundError(f"{model_path}: not a Hugging Face model directory (no config.json)")
+    train_file = Path(tasks_dir) / f"{params.train_split}.jsonl"
+    train = read_tasks(train_file, check_images=True)
+    if not train:
+        raise ValueError(f"{train_file}: holds no task records; rl needs at least one training prompt")
+    if params.ttrl.enabled:
+        train = unlabeled(train)  # test-time RL never holds a label
+    val: list[TaskRecord] = []
+    if params.val_every:
+        val_file = Path(tasks_dir) / f"{params.val_split}.jsonl"
+        val = read_tasks(val_file, check_images=True)
+        if not val:
+            raise ValueError(f"{val_file}: holds no task records; set rl.val_every: 0 to train without validation")
+        val = val[: params.val_prompts] if params.val_prompts else val
+    config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
+    markers = frozenset(
+        config[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+        if isinstance(config.get(k), int)
+    )
+    return Inputs(seed, params, protocol, rollout, Path(model_path), Path(tasks_dir), train, val, markers)
