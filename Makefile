@@ -103,6 +103,24 @@ lock:
 clean:
 	rm -rf $(WORK) .pytest_cache .hypothesis
 
+# What the GPU check of the stages (benchmarks/gpu_stages.sh) carries to a lent GPU machine, which has torch,
+# transformers and peft but no network: cp312 manylinux wheels of what the rl and eval stages import beyond those
+# (pydantic and its dependencies; dill, pydot, math-verify and latex2sympy2_extended as the earlier GPU runs
+# carried them), at requirements/cpu.txt's versions, into .whl/ (about 3 MB); antlr4-python3-runtime at 4.13.2,
+# because cpu.txt's 4.9.3 has no wheel. It needs work/sft/model from `make run`. Carry .whl and work/sft/model,
+# and run `bash benchmarks/gpu_stages.sh` there (about 4-5 minutes; its output lands in $OUT, default gpu-out/).
+GPU_WHEELS := pydantic pydantic_core annotated-types typing-inspection typing_extensions dill pydot math-verify latex2sympy2_extended
+GPU_PINS = $(foreach name,$(GPU_WHEELS),$(shell grep -m1 -i '^$(name)==' $(LOCK)))
+.PHONY: gpu-bundle
+gpu-bundle: $(STAMP)
+	@test "$(words $(GPU_PINS))" = "$(words $(GPU_WHEELS))" || { echo "gpu-bundle: $(LOCK) lacks a pin of $(GPU_WHEELS)"; exit 1; }
+	rm -rf .whl
+	$(PY) -m pip download -q --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 --no-deps \
+	  -d .whl $(GPU_PINS) antlr4-python3-runtime==4.13.2
+	@ls .whl
+	@test -f $(WORK)/sft/model/config.json || { echo "gpu-bundle: $(WORK)/sft/model is missing: run make run first"; exit 1; }
+	@echo "gpu-bundle: carry .whl and $(WORK)/sft/model; on the GPU machine run: bash benchmarks/gpu_stages.sh"
+
 # The stage images (containers/, docs/containers.md): podman on a locally bootstrapped base, offline from wheels
 # fetched first; installs podman, runc and debootstrap when missing. IMAGES picks some: make images IMAGES=eval
 IMAGES ?= synth sft rl eval
