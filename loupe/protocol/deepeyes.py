@@ -1,0 +1,62 @@
+"""DeepEyes' grammar (`deepeyes`): `<tool_call>{"name": "image_zoom_in_tool", "arguments": {"bbox_2d": [...]}}</tool_call>`
+with absolute pixel coordinates on the original image.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from loupe.data.tasks import IMAGE_PLACEHOLDER
+from loupe.protocol.core import (
+    ORIGINAL_IMAGE,
+    FormatErrorKind,
+    Protocol,
+    ToolCall,
+    _check_box,
+    _check_keys,
+    _Invalid,
+    _load_json_object,
+    _shown,
+    clip_text,
+)
+
+
+class DeepEyesProtocol(Protocol):
+    """DeepEyes' zoom tool: a JSON function call with absolute pixel boxes on the original image."""
+
+    name = "deepeyes"
+    stop = ("</tool_call>",)
+    call_open, call_close = "<tool_call>", "</tool_call>"
+    tool_name = "image_zoom_in_tool"
+    absolute_boxes = True
+
+    def default_system_prompt(self) -> str:
+        return (
+            "You answer questions about images. Think inside <think> and </think>. To look closer, call "
+            f'<tool_call>{{"name": "{self.tool_name}", "arguments": {{"bbox_2d": [x0, y0, x1, y1]}}}}</tool_call>'
+            " with the box in pixels of the original image. When sure, answer inside <answer> and </answer>."
+        )
+
+    def observation_text(self, index: int, size: tuple[int, int] | None = None) -> str:
+        return f"<tool_response>{IMAGE_PLACEHOLDER}</tool_response>\nContinue, or give your final answer."
+
+    def _read_call(self, payload: str, num_observations: int) -> ToolCall:
+        obj = _load_json_object(payload, "the tool call")
+        _check_keys(obj, ("name", "arguments"), "the tool call")
+        name = obj["name"]
+        if name != self.tool_name:
+            shown = repr(clip_text(name, 40)) if isinstance(name, str) else _shown(name)
+            raise _Invalid(FormatErrorKind.UNKNOWN_TOOL, f"unknown tool {shown}; use {self.tool_name!r}")
+        if not isinstance(obj["arguments"], dict):
+            raise _Invalid(FormatErrorKind.WRONG_TYPE, "'arguments' must be a JSON object")
+        _check_keys(obj["arguments"], ("bbox_2d",), "the tool call's arguments", self.extra_arguments)
+        box = _check_box(obj["arguments"]["bbox_2d"], upper=None, clamp=self.clamp_boxes)
+        return ToolCall("crop", {"bbox_2d": list(box), "source": ORIGINAL_IMAGE, "frame": "absolute"})
+
+    def render_call(self, think: str, call: ToolCall) -> str:
+        # Round outwards, as the crop tool does, so a sub-pixel box stays non-empty and crops the same pixels.
+        x0, y0, x1, y1 = call.arguments["bbox_2d"]
+        box = [math.floor(x0), math.floor(y0), math.ceil(x1), math.ceil(y1)]
+        args = {"name": self.tool_name, "arguments": {"bbox_2d": box}}
+        return f"<think>{think}</think>\n{self.call_open}{json.dumps(args)}{self.call_close}"

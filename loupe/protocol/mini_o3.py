@@ -1,0 +1,155 @@
+"""Mini-o3's grammar (`mini_o3`) and Loupe's wording of it (`loupe`): `<think>…</think>` then
+`<grounding>{"bbox_2d": [x0, y0, x1, y1], "source": …}</grounding>` with coordinates relative to the named source,
+or `<answer>…</answer>`. `mini_o3` speaks Mini-o3's own strings (the `MINI_O3_*` constants), so its released
+checkpoints are evaluated and fine-tuned on the text they were trained with; `loupe` names the `observation_N`
+sources and states x0 < x1.
+"""
+
+from __future__ import annotations
+
+import json
+
+from loupe.data.tasks import IMAGE_PLACEHOLDER
+from loupe.protocol.core import (
+    _OBSERVATION_SOURCE,
+    ORIGINAL_IMAGE,
+    FormatError,
+    FormatErrorKind,
+    Protocol,
+    ToolCall,
+    _check_box,
+    _check_keys,
+    _error_detail,
+    _Invalid,
+    _load_json_object,
+    _short_relative_box,
+    clip_text,
+)
+
+# --- Mini-o3 compatibility constants ------------------------------------------------------------------------
+# Byte for byte from github.com/Mini-o3/Mini-o3 (commit 8654dbf), verl/trainer/constants.py, because Mini-o3's
+# checkpoints were trained on exactly these strings. Their typos ("the the", "Countinue") are part of them.
+# tests/test_protocol.py holds each constant equal to a copy written from that file.
+
+MINI_O3_SYSTEM_PROMPT = (
+    "You are a helpful assistant. Answer the user's question based on the image provided. Output your thinking "
+    "process within the <think> and </think> tags. Whenever you find anything unclear, you can zoom in a specific "
+    "region in the given image to see more clearly by outputing <grounding>{\"bbox_2d\": [x0, y0, x1, y1], "
+    "\"source\": \"original_image\"}</grounding>, where (x0, y0) and (x1, y1) are the top-left and bottom-right "
+    "coordinates of the region that you want to zoom in, respectively (suppose the width and height of the image "
+    "are 1.0), and 'source' refers to the image that you zoom in and could be either 'original_image' or "
+    "'observation_i'. Once the final answer is confirmed, put it within <answer> and </answer>."
+)
+"""`TOOL_CROP_SYSTEM_PROMPT`, the system turn of every Mini-o3 dialogue (`data.system_prompt="tool_crop"` in its
+README's train and eval commands, looked up in `SYSTEM_PROMPT_MAP`; `make_conversation_multimodal` in
+verl/utils/dataset/multimodal_dataset.py puts it first, then the record's `problem` as the user turn)."""
+
+MINI_O3_OBSERVATION_TEMPLATE = (
+    "After the above Action {action_turn}, here is the the zoom-in image (Observation {observation_turn}):\n"
+    "<|vision_start|><|image_pad|><|vision_end|>.\nContinue your reasoning process inside <think> and </think>. "
+    "If needed, you can continue to zoom in on the original image or any of the observations, by outputting "
+    "<grounding> and </grounding> as before. If the final answer is confirmed, put your final answer inside "
+    "<answer> and </answer>."
+)
+"""`TOOL_CALL_CROP_MULTI_TRUN_PROMPT`, the user turn returning a crop. `AsyncvLLMEngine.process_tool_call` in
+verl/workers/rollout/vllm_rollout/vllm_async_engine.py (the `rollout.mode="async"` engine of Mini-o3's demo and
+eval commands) fills it with `action_turn=current_iteration, observation_turn=current_iteration+1`, where
+`current_iteration` counts the dialogue's assistant turns from 0: the first crop is "Action 0 … Observation 1"."""
+
+MINI_O3_IMAGE_MARKUP = "<|vision_start|><|image_pad|><|vision_end|>"
+"""One image in Qwen2.5-VL's chat text: what the chat template (and LLaMA-Factory's qwen2_vl template) writes for
+an `<image>` placeholder, so Loupe's turns hold `IMAGE_PLACEHOLDER` where Mini-o3's constant holds this."""
+
+MINI_O3_TOOL_ERROR_TEMPLATE = "ERROR occurs during grounding. Error Information: {error_info}.\n"
+"""What `AsyncvLLMEngine.process_tool_call` (vllm_async_engine.py) sends when a grounding call fails, followed by
+`MINI_O3_ERROR_PROMPT` in the same user turn."""
+
+MINI_O3_ERROR_PROMPT = (
+    "Please analyze the error information obtained from the function tool and adjust your response. "
+    "Countinue your reasoning process inside <think> and </think>."
+)
+"""`ERROR_INFO_MULTI_TURN_PROMPT` (verl/trainer/constants.py), the rest of an error turn."""
+
+
+class MiniO3Protocol(Protocol):
+    """Mini-o3's grounding tool and Mini-o3's own wording: relative boxes on the original or an earlier observation.
+
+    The system prompt, observation turn and error turn are the `MINI_O3_*` constants. Observations are numbered
+    as Mini-o3 numbers them when every call succeeds: crop N is "Action N-1 … Observation N", and the model names
+    it "observation_N". (After a failed call Mini-o3 numbers by assistant turn, so its text then names an
+    observation that its own tool does not know; Loupe keeps Observation N = observation_N.)
+    """
+
+    name = "mini_o3"
+    stop = ("</grounding>",)
+    call_open, call_close = "<grounding>", "</grounding>"
+
+    def default_system_prompt(self) -> str:
+        return MINI_O3_SYSTEM_PROMPT
+
+    def observation_text(self, index: int, size: tuple[int, int] | None = None) -> str:
+        text = MINI_O3_OBSERVATION_TEMPLATE.format(action_turn=index - 1, observation_turn=index)
+        return text.replace(MINI_O3_IMAGE_MARKUP, IMAGE_PLACEHOLDER)
+
+    def error_text(self, detail: str | FormatError) -> str:
+        return MINI_O3_TOOL_ERROR_TEMPLATE.format(error_info=_error_detail(detail)) + MINI_O3_ERROR_PROMPT
+
+    def _read_call(self, payload: str, num_observations: int) -> ToolCall:
+        obj = _load_json_object(payload, "the grounding call")
+        _check_keys(obj, ("bbox_2d", "source"), "the grounding call", self.extra_arguments)
+        box = _check_box(obj["bbox_2d"], upper=1.0, clamp=self.clamp_boxes)
+        source = obj["source"]
+        if not isinstance(source, str):
+            raise _Invalid(FormatErrorKind.WRONG_TYPE, "'source' must be a string")
+        match = _OBSERVATION_SOURCE.fullmatch(source)
+        if source != ORIGINAL_IMAGE and not (match and int(match.group(1)) <= num_observations):
+            raise _Invalid(
+                FormatErrorKind.UNKNOWN_SOURCE,
+                f"unknown source {clip_text(source, 40)!r}; known: {_known_sources(num_observations)}",
+            )
+        if match:  # one name per image: observation_01 is observation_1, observation_0 the original
+            number = int(match.group(1))
+            source = f"observation_{number}" if number else ORIGINAL_IMAGE
+        return ToolCall("crop", {"bbox_2d": list(box), "source": source, "frame": "relative"})
+
+    def render_call(self, think: str, call: ToolCall) -> str:
+        args = {"bbox_2d": _short_relative_box(call.arguments["bbox_2d"]), "source": call.arguments["source"]}
+        return f"<think>{think}</think>\n{self.call_open}{json.dumps(args)}{self.call_close}"
+
+
+def _known_sources(num_observations: int) -> str:
+    """The source names that exist after `num_observations` crops, written in a bounded length."""
+    if num_observations <= 0:
+        return ORIGINAL_IMAGE
+    if num_observations <= 3:
+        return ", ".join([ORIGINAL_IMAGE] + [f"observation_{i}" for i in range(1, num_observations + 1)])
+    return f"{ORIGINAL_IMAGE}, observation_1 ... observation_{num_observations}"
+
+
+class LoupeProtocol(MiniO3Protocol):
+    """Mini-o3's grammar with Loupe's own wording: names the `observation_N` sources and the box rules."""
+
+    name = "loupe"
+
+    def default_system_prompt(self) -> str:
+        return (
+            "You answer questions about images. The image you see may be downscaled, so small details can be "
+            "unreadable. First reason inside <think> and </think>. Then do exactly one of two things:\n"
+            "1. Zoom in: write <grounding>{\"bbox_2d\": [x0, y0, x1, y1], \"source\": \"original_image\"}"
+            "</grounding>. The box is relative to the source image, each coordinate between 0 and 1, with "
+            "x0 < x1 and y0 < y1. The source is \"original_image\" or \"observation_N\" for an earlier zoom-in "
+            "image N. The crop comes back to you as a new observation at a higher resolution.\n"
+            "2. Answer: write <answer>your final answer</answer>.\n"
+            "Zoom as many times as you need; look elsewhere if the target is not where you expected."
+        )
+
+    def observation_text(self, index: int, size: tuple[int, int] | None = None) -> str:
+        return (
+            f"After the above Action {index - 1}, here is the zoom-in image (Observation {index}): "
+            f"{IMAGE_PLACEHOLDER}.\nContinue your reasoning inside <think> and </think>. If needed, zoom in "
+            "again on the original image or an observation; once you are confident, give the final answer "
+            "inside <answer> and </answer>."
+        )
+
+    def error_text(self, detail: str | FormatError) -> str:
+        return Protocol.error_text(self, detail)  # Loupe's wording, not the Mini-o3 turn the parent sends
