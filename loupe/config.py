@@ -122,6 +122,20 @@ class ProtocolParams(Section):
     full resolution as cut, each box truncated to whole pixels with its far edge trimmed, level after level) or
     `shown` (Pixel-Reasoner: cut from the image as the model was shown it, the original resized into the budget
     and each crop as shown)."""
+    turn_reading: Literal["first_call", "deepeyes"] = "first_call"
+    """How a turn with tool calls is generated and read: `first_call` (Loupe, Mini-o3) stops generation at a
+    call's closing tag and reads that call, a call beside an answer being an error turn; `deepeyes` generates to
+    the end of the turn with no stop string (parallel_env.py:121-126, ppo_trainer.yaml:128 `custom_stop: []`),
+    a non-empty last `<answer>` ends the episode and no call runs, else the last call is read
+    (visual_toolbox_v2.py:26-28,43-44,60-65)."""
+    crop_resample: Literal["bicubic", "mini_o3"] = "bicubic"
+    """How a crop is resized for the model (`loupe.tools.fit_crop`): `bicubic`, straight to Qwen's size for the
+    budget; `mini_o3`, Mini-o3's `process_image` first (NEAREST into [min_pixels, max_pixels], small sides up to
+    28 px; vllm_async_engine.py:189-223,551), then the processor's bicubic resize of that."""
+    call_at_limit: Literal["parsed", "matched"] = "parsed"
+    """A turn that calls a tool when no turn or image is left: over-turn when its call parses, a malformed one a
+    format error (`parsed`); or over-turn whenever it holds a complete call span, parsed or not (`matched`:
+    Mini-o3 checks `<grounding>(.*?)</grounding>` before reading it, vllm_async_engine.py:698-706)."""
     max_decode_pixels: int = Field(400_000_000, gt=0)
     """Source images larger than this are refused before decoding (decompression-bomb guard)."""
     video_max_frames: int = Field(8, ge=1)
@@ -181,7 +195,7 @@ class ProtocolParams(Section):
     @property
     def budget(self) -> PixelBudget:
         return PixelBudget(self.min_pixels, self.max_pixels, self.min_crop_side, self.crop_min_pixels,
-                           self.crop_max_pixels, self.crop_padding, self.crop_cut)
+                           self.crop_max_pixels, self.crop_padding, self.crop_cut, self.crop_resample)
 
     def frame_budget(self, frames: int) -> PixelBudget:
         """The pixel budget of each of a video task's `frames` frames (`video_max_pixels` shared among them)."""
@@ -189,7 +203,7 @@ class ProtocolParams(Section):
             return self.budget
         share = max(self.min_pixels, min(self.max_pixels, self.video_max_pixels // max(frames, 1)))
         return PixelBudget(self.min_pixels, share, self.min_crop_side, self.crop_min_pixels, self.crop_max_pixels,
-                           self.crop_padding, self.crop_cut)
+                           self.crop_padding, self.crop_cut, self.crop_resample)
 
 
 class OpenAIEndpointParams(Section):

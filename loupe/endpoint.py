@@ -262,11 +262,13 @@ def send_with_retries(
     redact: Callable[[str], str] = lambda text: text,
     check: Callable[[ChatReply], None] | None = None,
     on_attempt: Callable[[], None] | None = None,
+    vary: Callable[[int, dict[str, Any]], dict[str, Any]] | None = None,
 ) -> Sent:
     """Send `request` to `/chat/completions` until a reply validates (and passes `check`, which raises
     `EndpointFault` to refuse one) or the attempts run out; see the module docstring for the policy.
 
-    `endpoint` names the server in messages; `on_attempt` is called before each request is sent. Raises
+    `endpoint` names the server in messages; `on_attempt` is called before each request is sent; `vary(retry,
+    request)`, when given, is the request of each attempt (0 the first: a judge that raises its temperature). Raises
     `EndpointError` carrying the number of requests sent and the last cause.
     """
     import openai
@@ -278,7 +280,8 @@ def send_with_retries(
             on_attempt()
         retry_after = 0.0
         try:
-            raw = client.chat.completions.with_raw_response.create(**request)
+            sent = vary(retry, request) if vary is not None else request
+            raw = client.chat.completions.with_raw_response.create(**sent)
             http = raw.http_response
             body = decode_body(http.content, http.headers.get("content-type", ""), redact)
             reply = validate_reply(body)

@@ -42,6 +42,8 @@ IMAGE_FACTOR = 28
 
 
 CROP_CUTS = ("composed", "whole_pixels", "shown")
+CROP_RESAMPLES = ("bicubic", "mini_o3")
+"""How a crop is resized for the model (`protocol.crop_resample`, `fit_crop`)."""
 """How a crop's pixels are cut (`PixelBudget.crop_cut`); the `crop` docstring says what each does."""
 
 
@@ -65,6 +67,8 @@ class PixelBudget:
     source (Pixel-Reasoner's `crop_image_normalized`: 0.1)."""
     crop_cut: str = "composed"
     """Whose pixels a crop is cut from and how it is rounded: `composed`, `whole_pixels` or `shown` (`crop`)."""
+    crop_resample: str = "bicubic"
+    """How a crop is resized into the budget: `bicubic` (straight to Qwen's size) or `mini_o3` (`fit_crop`)."""
 
     def __post_init__(self) -> None:
         if not 0 < self.min_pixels <= self.max_pixels:
@@ -77,6 +81,8 @@ class PixelBudget:
             raise ValueError(f"crop_padding must be in [0, 1), got {self.crop_padding}")
         if self.crop_cut not in CROP_CUTS:
             raise ValueError(f"crop_cut must be one of {', '.join(CROP_CUTS)}, got {self.crop_cut!r}")
+        if self.crop_resample not in CROP_RESAMPLES:
+            raise ValueError(f"crop_resample must be one of {', '.join(CROP_RESAMPLES)}, got {self.crop_resample!r}")
 
     def for_crops(self) -> PixelBudget:
         """The budget a crop is resized into: this one, with the crops' own area limits where set."""
@@ -114,6 +120,40 @@ def fit_to_budget(image: Image.Image, budget: PixelBudget) -> Image.Image:
     """The image as the model is shown it: resized by Qwen's rule (`smart_resize`) into `budget`, bicubic."""
     height, width = smart_resize(image.height, image.width, budget)
     return image if image.size == (width, height) else image.resize((width, height), Image.Resampling.BICUBIC)
+
+
+def mini_o3_resize(image: Image.Image, budget: PixelBudget) -> Image.Image:
+    """Mini-o3's `process_image` (verl/workers/rollout/vllm_rollout/vllm_async_engine.py:189-223), which its
+    engine applies to every crop (`:551`) before the processor sees it: NEAREST throughout, the area scaled by a
+    square root into [min_pixels, max_pixels] with `int()` sides, a side under 28 px scaled up to 28 (+1), an
+    aspect of 200 or more squeezed to 190. Its output is not on Qwen's 28-px grid; the processor's own resize
+    (bicubic, `smart_resize`) follows, in `fit_crop`."""
+    nearest = Image.Resampling.NEAREST
+    if image.width * image.height > budget.max_pixels:
+        factor = math.sqrt(budget.max_pixels / (image.width * image.height))
+        image = image.resize((int(image.width * factor), int(image.height * factor)), resample=nearest)
+    if image.width * image.height < budget.min_pixels:
+        factor = math.sqrt(budget.min_pixels / (image.width * image.height))
+        image = image.resize((int(image.width * factor), int(image.height * factor)), resample=nearest)
+    if image.width < 28 or image.height < 28:
+        factor = 28 / min(image.width, image.height)
+        image = image.resize((int(image.width * factor + 1), int(image.height * factor + 1)), resample=nearest)
+    if image.width / image.height >= 200:
+        image = image.resize((image.width, int(image.width / 190 + 1)), resample=nearest)
+    if image.height / image.width >= 200:
+        image = image.resize((int(image.height / 190 + 1), image.height), resample=nearest)
+    return image
+
+
+def fit_crop(region: Image.Image, budget: PixelBudget, resample: str = "bicubic") -> Image.Image:
+    """A cut region as the model is shown it: `bicubic` resizes it straight to Qwen's size for the crops'
+    budget; `mini_o3` first runs Mini-o3's NEAREST `process_image` (`mini_o3_resize`), then the processor's
+    resize of that result (bicubic to its `smart_resize`), as Mini-o3's rollout shows a crop."""
+    crops = budget.for_crops()
+    if resample == "mini_o3":
+        region = mini_o3_resize(region, crops)
+    new_h, new_w = smart_resize(region.height, region.width, crops)
+    return region if region.size == (new_w, new_h) else region.resize((new_w, new_h), Image.Resampling.BICUBIC)
 
 
 def round_outwards(box: tuple[float, float, float, float]) -> tuple[int, int, int, int]:
@@ -373,8 +413,7 @@ def crop(session: ImageSession, arguments: dict[str, Any], budget: PixelBudget) 
         pixels = session.base_image(base)
         assert pixels is not None  # the source exists, so the image it was cut from does
         region = pixels.crop((left, top, right, bottom))
-    if region.size != (new_w, new_h):
-        region = region.resize((new_w, new_h), Image.Resampling.BICUBIC)
+    region = fit_crop(region, budget, budget.crop_resample)
     return CropResult(image=region, source=source, box_px=box_px, region=composed,
                       region_px=(left, top, right, bottom), base=base)
 

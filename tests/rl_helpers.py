@@ -73,3 +73,22 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def crash_at_step_3(params: Path, model: Path, tasks: Path, out: Path, monkeypatch: Any) -> Any:
+    """Train until step 3 raises (after the step-2 checkpoint); returns the real `Trainer.train_step`, for the
+    caller to put back before it resumes."""
+    from stages.rl import __main__ as rl_main
+    from stages.rl.trainer import Trainer
+
+    real_step = Trainer.train_step
+
+    def crashing(self: Any, step: int) -> Any:
+        if step == 3:
+            raise RuntimeError("simulated crash")
+        return real_step(self, step)
+
+    monkeypatch.setattr(Trainer, "train_step", crashing)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        rl_main.train(params, model, tasks, out, progress=False)
+    return real_step

@@ -746,7 +746,7 @@ def test_an_empty_judge_system_prompt_sends_the_user_message_alone():
     from loupe.rewards.judge import JudgeItem, LLMJudge
 
     config = JudgeConfig(api_key_env=None, system_prompt="", verdict="equivalence",
-                         prompt_template="params/templates/judge_deepeyes_equivalence.jinja")
+                         prompt_template="params/templates/judge_deepeyes_common.jinja")
     messages = LLMJudge(config)._messages(JudgeItem("Where?", "Paris", "Rome"))
     assert [m["role"] for m in messages] == ["user"]
     assert "## Equivalence Judgement" in messages[0]["content"] and messages[0]["content"].endswith("Rome")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from rl_helpers import make_toy_tasks, one_torch_thread, write_params  # noqa: F401 (autouse fixture)
+from rl_helpers import crash_at_step_3, make_toy_tasks, one_torch_thread, write_params  # noqa: F401 (autouse fixture)
 from safetensors.torch import load_file
 
 from loupe.rollout.weight_sync import module_digest
@@ -145,16 +145,7 @@ def test_a_crashed_lora_run_resumes_to_the_same_weights_and_its_checkpoints_hold
     params = write_params(tmp_path / "params.yaml", {"steps": 4, "checkpoint_every": 2, "lr": 0.05, "lora": LORA,
                                                      "dynamic_sampling": {"enabled": True, "max_tries": 2}})
     _train(params, tiny_model_dir, toy_dir, tmp_path / "straight")
-    real_step = Trainer.train_step
-
-    def crash_at_step_3(self, step):
-        if step == 3:
-            raise RuntimeError("simulated crash")
-        return real_step(self, step)
-
-    monkeypatch.setattr(Trainer, "train_step", crash_at_step_3)
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        _train(params, tiny_model_dir, toy_dir, tmp_path / "resumed")
+    real_step = crash_at_step_3(params, tiny_model_dir, toy_dir, tmp_path / "resumed", monkeypatch)
     checkpoint = tmp_path / "resumed" / "checkpoints" / "step_000002"
     stored = sum(f.stat().st_size for f in checkpoint.rglob("*") if f.is_file())
     base = sum(f.stat().st_size for f in Path(tiny_model_dir).glob("*.safetensors"))
@@ -172,3 +163,16 @@ def test_a_crashed_lora_run_resumes_to_the_same_weights_and_its_checkpoints_hold
 def test_lora_refuses_a_sharded_learner():
     with pytest.raises(ValueError, match="single-process learner"):
         RLParams(lora=LORA, ray={"enabled": True, "gpus_per_node": 2})
+
+
+def test_colocated_lora_generates_with_the_adapted_module_and_trains_like_a_separate_engine(tiny_model_dir, toy_dir, tmp_path):
+    """Colocated with LoRA: the engine generates with the learner's module, adapters injected, and sees each update
+    exactly as a separate engine does after its merged sync, so both runs end on the same weights."""
+    keys = {"steps": 3, "lr": 0.05, "lora": LORA}
+    _train(write_params(tmp_path / "local.yaml", keys), tiny_model_dir, toy_dir, tmp_path / "local")
+    _train(write_params(tmp_path / "colocated.yaml", {**keys, "ray": {"enabled": False, "colocate": True}}),
+           tiny_model_dir, toy_dir, tmp_path / "colocated")
+    local, colocated = _weights(tmp_path / "local" / "model"), _weights(tmp_path / "colocated" / "model")
+    assert local.keys() == colocated.keys()
+    assert all(torch.allclose(local[k], colocated[k], atol=1e-6) for k in local)
+    assert [r["reward/mean"] for r in _rows(tmp_path / "local")] == [r["reward/mean"] for r in _rows(tmp_path / "colocated")]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from rl_helpers import make_toy_tasks, one_torch_thread, write_params  # noqa: F401 (autouse fixture)
+from rl_helpers import crash_at_step_3, make_toy_tasks, one_torch_thread, write_params  # noqa: F401 (autouse fixture)
 from safetensors.torch import load_file
 
 from stages.rl import __main__ as rl_main
@@ -116,21 +116,6 @@ def test_dapos_overlong_filter_trains_nothing_of_a_cut_trajectory(tiny_model_dir
         assert row["update/skipped_update"] == 1.0
 
 
-def _crash_at_step_3(params, model, tasks, out, monkeypatch):
-    """Train until step 3 raises (after the step-2 checkpoint); returns the real `Trainer.train_step`."""
-    real_step = Trainer.train_step
-
-    def crash_at_step_3(self, step):
-        if step == 3:
-            raise RuntimeError("simulated crash")
-        return real_step(self, step)
-
-    monkeypatch.setattr(Trainer, "train_step", crash_at_step_3)
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        _train(params, model, tasks, out)
-    return real_step
-
-
 def test_a_crashed_ppo_run_resumes_its_critic_exactly(tiny_model_dir, toy_dir, tmp_path, monkeypatch):
     """PPO's critic is checkpointed beside the policy (weights and AdamW moments): a run that crashes after
     the step-2 checkpoint and resumes ends on the same policy, and its critic gives the same statistics, as a
@@ -138,7 +123,7 @@ def test_a_crashed_ppo_run_resumes_its_critic_exactly(tiny_model_dir, toy_dir, t
     params = write_params(tmp_path / "params.yaml", {"estimator": "ppo", "steps": 4, "checkpoint_every": 2, "mini_batches": 2,
                                                      "critic": {"lr": 1e-3, "warmup_steps": 1}})
     _train(params, tiny_model_dir, toy_dir, tmp_path / "straight")
-    real_step = _crash_at_step_3(params, tiny_model_dir, toy_dir, tmp_path / "resumed", monkeypatch)
+    real_step = crash_at_step_3(params, tiny_model_dir, toy_dir, tmp_path / "resumed", monkeypatch)
     assert (tmp_path / "resumed" / "checkpoints" / "step_000002" / "critic" / ".metadata").is_file()
     monkeypatch.setattr(Trainer, "train_step", real_step)
     _train(params, tiny_model_dir, toy_dir, tmp_path / "resumed")
@@ -160,7 +145,7 @@ def test_a_crashed_run_resumes_to_the_same_weights_and_metrics(overlap, tiny_mod
     params = write_params(tmp_path / "params.yaml", {**keys, **(OVERLAP if overlap else {})})
     _train(params, tiny_model_dir, toy_dir, tmp_path / "straight")
 
-    real_step = _crash_at_step_3(params, tiny_model_dir, toy_dir, tmp_path / "resumed", monkeypatch)
+    real_step = crash_at_step_3(params, tiny_model_dir, toy_dir, tmp_path / "resumed", monkeypatch)
     assert not (tmp_path / "resumed" / "model").exists()
     assert [p.name for p in (tmp_path / "resumed" / "checkpoints").iterdir()] == ["step_000002"]
     monkeypatch.setattr(Trainer, "train_step", real_step)
@@ -441,7 +426,7 @@ def test_pixelis_reward_shapes_the_stage_and_its_curiosity_module_resumes(tiny_m
                                                {"step": 3, "weights": {"coherence": 0.2, "curiosity": 0.3}}]}
     params = write_params(tmp_path / "params.yaml", {"steps": 4, "checkpoint_every": 2, "pixelis": pixelis})
     _train(params, tiny_model_dir, toy_dir, tmp_path / "straight")
-    real_step = _crash_at_step_3(params, tiny_model_dir, toy_dir, tmp_path / "resumed", monkeypatch)
+    real_step = crash_at_step_3(params, tiny_model_dir, toy_dir, tmp_path / "resumed", monkeypatch)
     assert (tmp_path / "resumed" / "checkpoints" / "step_000002" / "pixelis.pt").is_file()
     monkeypatch.setattr(Trainer, "train_step", real_step)
     _train(params, tiny_model_dir, toy_dir, tmp_path / "resumed")

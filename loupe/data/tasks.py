@@ -111,6 +111,10 @@ class TaskRecord(BaseModel):
     waypoints: list["Waypoint"] | None = None
     """Places to look at, in order, before `bbox` (a pointer task's pointer, loupe.data.zoom_tasks): the search
     path the oracle teacher follows, each with what it shows; None: `bbox` is the only place."""
+    tools: bool = True
+    """Whether the dialogue offers the tool. False makes the question single-turn, its first turn the last (a call
+    in it is not run), as DeepEyes' rows with an empty `env_name` are (verl/workers/agent/parallel_env.py:320-322,
+    480-495: no tool is made, and the episode ends after one response); the oracle teacher answers it directly."""
     operation: str | None = None
     """The visual operation that answers the question (a name in loupe.visual_ops: `read_text`, `segment_at`,
     `track_object`), for the oracle teacher, which calls it on `bbox`; None: a crop answers it, or nothing."""

@@ -39,23 +39,40 @@ class JudgeConfig(BaseModel):
     """Directory of cached verdicts (one JSON file per verdict); None keeps them in memory only."""
     max_workers: int = Field(default=8, ge=1)
     """Concurrent requests in `LLMJudge.score_many`."""
-    max_tokens: int = Field(default=64, ge=1)
-    """Reply length budget; the judge only needs to write `Score: 1` or `Score: 0`."""
+    max_tokens: int | None = Field(default=64, ge=1)
+    """Reply length budget; the judge only needs to write `Score: 1` or `Score: 0`. None sends none, leaving the
+    server's default (vLLM: the rest of the context), as DeepEyes' judge requests do (`vl_agent.py:226-234`)."""
     temperature: float | None = 0.0
     """Sampling temperature; None sends none (some reasoning models accept only their default). DeepEyes: 0.3."""
+    temperature_step: float | None = Field(default=None, gt=0)
+    """Raise the temperature by this at each retry, capped at 1 (Mini-o3: `min(0.2 x attempt, 1)` from 0,
+    general_qa_tool.py:69); None keeps `temperature` for every attempt."""
+    cache: bool = True
+    """Reuse a verdict for the same question, reference and answer (in memory, and in `cache_dir`); false asks the
+    judge every time, as Mini-o3 does (a judge sampling above temperature 0 may answer differently)."""
     system_prompt: str | None = None
     """The judge's system message in place of Loupe's (DeepEyes sends "You are a helpful assistant."); an empty
     string sends none (DeepEyes' geoguessr and math checks send the user message alone)."""
     prompt_template: str | None = None
     """A Jinja file rendering the judge's user message from `question`, `reference` and `prediction`, in place
     of Loupe's; read when the config loads. Its text is part of every cache key."""
-    verdict: Literal["score", "judgement", "equivalence"] = "score"
+    verdict: Literal["score", "judgement", "equivalence", "equivalence_or_zero", "mini_o3"] = "score"
     """How a reply is read: `score`, a "Score: 1" / "Score: 0" line (a reply without one is retried);
-    `judgement`, DeepEyes' rule (`vl_agent.py`: the text after the last "Judgement:", or the whole reply, is
-    right when it holds a 1, and wrong otherwise; never retried); or `equivalence`, DeepEyes' rule for its
-    geoguessr and math rows (`vl_agent.py`, `compute_common_reasoning` and `generative_verify`: the text after the
-    last "## Equivalence Judgement", lowercased, is right when it holds "true" and not "false", wrong the other
-    way round; a reply holding both or neither is retried)."""
+    `judgement`, DeepEyes' accuracy judge (`vl_agent.py:235-253`, `compute_score`): the stripped reply holding
+    "Judgement:" is right when the text after the last one holds a 1; without "Judgement:" it is right only when
+    it is exactly "1"; anything else is wrong (never retried); `equivalence`, DeepEyes' geoguessr check
+    (`vl_agent.py:326-336`, `compute_common_reasoning`): the text after the last "## Equivalence Judgement",
+    lowercased, is right when it holds "true" and not "false", wrong the other way round, and a reply holding
+    both or neither is asked again; `equivalence_or_zero`, DeepEyes' math check (`vl_agent.py:363-385`,
+    `generative_verify`): the same reading of the first reply received, a reply holding both or neither being
+    wrong (not asked again); or `mini_o3`, Mini-o3's (`general_qa_tool.py:76-82`,
+    `GPT4VisionClient.query`, and `:312-313`): the first word after the last "score:" (any case), right when it
+    holds a 1; a reply without "score:", or whose word holds neither 0 nor 1, is retried)."""
+    on_failure: Literal["invalid", "zero"] = "invalid"
+    """When the judge gives no verdict after its retries (HTTP errors, time-outs, malformed replies, or replies
+    the verdict rule refuses to the last): `invalid` makes the trajectory's reward invalid (not trained, not
+    counted); `zero` scores its accuracy 0 and goes on, as DeepEyes' geoguessr and math checks do after their 8
+    tries (`vl_agent.py:316-336,363-385`)."""
     _template_text: str | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
@@ -105,7 +122,7 @@ class RewardConfig(BaseModel):
     for a right answer after at least one crop the tool returned (needs `judge` and `format_rule: deepeyes`);
     `deepeyes_math` and `deepeyes_common`, its scorers for ThinkLite and geoguessr rows (`compute_score_math`:
     the last `\\boxed{}` by math-verify, then the judge; `compute_common_reasoning`: the judge on the first
-    `<answer>`; both need `judge`, with `verdict: equivalence` for DeepEyes' prompts); or
+    `<answer>`; both need `judge`, DeepEyes' with `verdict: equivalence_or_zero` and `equivalence`); or
     `mini_o3`, Mini-o3's: the judge on the first `<answer>` across the assistant turns, for every task, choice
     included (`loupe.rewards.mini_o3`; needs `judge`); or `pixel_reasoner`, Pixel-Reasoner's rule on the whole
     decoded response, lowercased (`loupe.rewards.pixel_reasoner`): the last `\\boxed`, then `<answer>`, then

@@ -69,13 +69,36 @@ def parse_equivalence(reply: str | None) -> float | None:
     return None
 
 
+def parse_mini_o3_score(reply: str | None) -> float | None:
+    """Mini-o3's reading (`verl/utils/reward_score/general_qa_tool.py`, `GPT4VisionClient.query` and
+    `inner_acc_reward`): the first word after the last "score:" (case folded), right when it holds a "1", wrong
+    when it holds a "0" and no "1"; None (asked again) without "score:" or with neither digit."""
+    text = (reply or "").lower()
+    if "score:" not in text:
+        return None
+    word = text.split("score:")[-1].strip().split("\n")[0].strip().split(" ")[0]
+    if "1" not in word and "0" not in word:
+        return None
+    return 1.0 if "1" in word else 0.0
+
+
+def parse_equivalence_or_zero(reply: str | None) -> float:
+    """DeepEyes' reading of its math check (`vl_agent.py:379-385`, `generative_verify`): `parse_equivalence` on
+    the first reply received, where a reply holding both "true" and "false", or neither, is wrong (its function
+    returns None, which `compute_score_math` scores 0, :411) rather than asked again."""
+    found = parse_equivalence(reply)
+    return 0.0 if found is None else found
+
+
 def parse_judgement(reply: str | None) -> float:
-    """DeepEyes' reading of a judge reply (`verl/utils/reward_score/vl_agent.py`, `compute_score`): the text
-    after the last "Judgement:" (or the whole reply) is right when it holds a 1; anything else is wrong."""
-    text = reply or ""
+    """DeepEyes' reading of its accuracy judge (`verl/utils/reward_score/vl_agent.py:235-253`, `compute_score`),
+    on the reply stripped: holding "Judgement:", it is right when the text after the last one holds a "1" (a
+    "0", or neither, is wrong); without "Judgement:", it is right only when it is exactly "1" ("0", "Yes", "1."
+    or "The answer is 1" are wrong). Never None: DeepEyes never asks again."""
+    text = (reply or "").strip()
     if "Judgement:" in text:
-        text = text.rsplit("Judgement:", 1)[1]
-    return 1.0 if "1" in text else 0.0
+        return 1.0 if "1" in text.split("Judgement:")[-1].strip() else 0.0
+    return 1.0 if text == "1" else 0.0
 
 
 class LLMJudge:
@@ -213,6 +236,12 @@ class LLMJudge:
     def judge(self, question: str, reference: str, prediction: str) -> JudgeResult:
         """One verdict, from the cache when known; thread-safe. Never raises on server trouble: see `valid`."""
         item = JudgeItem(question, reference, prediction)
+        if not self.config.cache:  # asked every time (Mini-o3): nothing remembered, nothing shared
+            result = self._ask(item)
+            if not result.valid:
+                with self._lock:
+                    self.failures += 1
+            return result
         key = self.cache_key(*item)
         with self._lock:
             known = self._memory.get(key)
@@ -290,24 +319,29 @@ class LLMJudge:
                 self.calls += 1
 
         verdict = self.config.verdict
-        read = {"score": parse_judge_score, "judgement": parse_judgement, "equivalence": parse_equivalence}[verdict]
+        read = {"score": parse_judge_score, "judgement": parse_judgement, "equivalence": parse_equivalence,
+                "equivalence_or_zero": parse_equivalence_or_zero, "mini_o3": parse_mini_o3_score}[verdict]
 
         def holds_a_score(reply: endpoint.ChatReply) -> None:
-            if read(reply.text) is None:  # parse_judgement always reads one: DeepEyes never asks again
+            if read(reply.text) is None:  # judgement and equivalence_or_zero always read one: never asked again
                 wanted = "'## Equivalence Judgement' TRUE/FALSE" if verdict == "equivalence" else "'Score: 0/1'"
                 raise endpoint.EndpointFault(f"reply holds no {wanted}: {reply.text[:120]!r}")
 
-        request: dict[str, Any] = {
-            "model": self.config.model,
-            "messages": self._messages(item),
-            "max_tokens": self.config.max_tokens,
-        }
+        request: dict[str, Any] = {"model": self.config.model, "messages": self._messages(item)}
+        if self.config.max_tokens is not None:
+            request["max_tokens"] = self.config.max_tokens
         if self.config.temperature is not None:
             request["temperature"] = self.config.temperature
         policy = endpoint.RetryPolicy(self.config.max_retries, self.config.backoff_s, self.config.max_backoff_s)
+        step, start = self.config.temperature_step, self.config.temperature or 0.0
+
+        def warmer(retry: int, sent: dict[str, Any]) -> dict[str, Any]:
+            return {**sent, "temperature": min(start + step * retry, 1.0)}  # type: ignore[operator]
+
         try:
             sent = endpoint.send_with_retries(self._client, request, policy, endpoint=f"judge {self.config.base_url}",
-                                              redact=self._redact, check=holds_a_score, on_attempt=count_attempt)
+                                              redact=self._redact, check=holds_a_score, on_attempt=count_attempt,
+                                              vary=warmer if step is not None else None)
         except endpoint.EndpointError as err:
             log.error("judge gave up after %d attempt(s): %s", err.attempts, err.cause)
             return JudgeResult(score=None, valid=False, attempts=err.attempts, error=err.cause)

@@ -19,7 +19,9 @@ class RewardParts:
     extracted: str | None = None
     """What was compared: the option letter found, or the answer text; None when there was nothing."""
     matched_by: str | None = None
-    """How accuracy was decided: `letter`, `exact`, `math`, `mathruler`, `judge`, `no_answer`, or `custom`."""
+    """How accuracy was decided: `letter`, `exact`, `math`, `mathruler`, `judge`, `no_answer`, `custom`, or a
+    recipe's rule (`deepeyes`, `mini_o3`, ...); `<rule>, judge failed, scored 0` when the judge gave no verdict and
+    its `on_failure: zero` scored accuracy 0."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

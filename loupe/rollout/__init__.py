@@ -27,7 +27,8 @@ def make_engine(
     `sleep_mode`: a vLLM engine that can free its GPU memory while a colocated learner updates.
     `compute_dtype`: the transformers engine generates under autocast to it (a colocated learner's float32
     module in bf16 on a GPU)."""
-    stop = get_protocol(protocol.name).stop
+    # DeepEyes' turns run to their end (protocol.turn_reading: deepeyes): no stop string
+    stop = () if getattr(protocol, "turn_reading", "first_call") == "deepeyes" else get_protocol(protocol.name).stop
     if rollout.engine == "openai":
         from loupe.rollout.openai_engine import OpenAIEngine
 

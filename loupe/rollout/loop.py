@@ -202,16 +202,26 @@ def _take_turn(
         turn.error = f"length: the turn reached {max_new_tokens} new tokens without finishing"
         return "length"
 
+    at_limit = trajectory.num_turns >= turn_limit or len(trajectory.images) >= protocol_params.max_images
+    if at_limit and protocol_params.call_at_limit == "matched" and protocol.holds_call_span(generation.text):
+        turn.action = "call"  # the recipe's rule: a call attempted past the limit is over-turn, parsed or not
+        trajectory.num_tool_calls += 1
+        return "over_turn"
     action = protocol.parse(generation.text, num_observations=len(session.observations))
     turn.action = action.kind
     if action.answer is not None:
         trajectory.answer = action.answer
         return "answered"
+    if not trajectory.task.get("tools", True):  # a question without the tool: its first turn is its last
+        trajectory.num_format_errors += 1
+        turn.error = (f"{action.error.kind.value}: {action.error.detail}" if action.error is not None
+                      else "no_tools: the question offers no tool, and the turn gave no answer")
+        return "format_error"
 
     if action.call is not None:
         trajectory.num_tool_calls += 1
         turn.call = {"tool": action.call.tool, "arguments": action.call.arguments}
-        if trajectory.num_turns >= turn_limit or len(trajectory.images) >= protocol_params.max_images:
+        if at_limit:
             return "over_turn"
         result = run_tool(action.call, session, protocol_params.budget)
         if isinstance(result, (CropResult, ToolResult)):

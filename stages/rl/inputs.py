@@ -86,6 +86,12 @@ def read_inputs(params_path: Path, model_path: Path, tasks_dir: Path, section: s
         raise ValueError(f"{train_file}: holds no task records; rl needs at least one training prompt")
     if params.ttrl.enabled:
         train = unlabeled(train)  # test-time RL never holds a label
+    if params.epochs is not None:
+        per_pass = len(train) // params.prompts_per_step
+        if per_pass == 0:
+            raise ValueError(f"{params_path}: {section}.epochs: {train_file} holds {len(train)} prompts, fewer than one "
+                             f"batch of prompts_per_step {params.prompts_per_step}")
+        params = params.model_copy(update={"steps": params.epochs * per_pass})
     val: list[TaskRecord] = []
     if params.val_every:
         val_file = Path(tasks_dir) / f"{params.val_split}.jsonl"

@@ -274,6 +274,10 @@ class RLParams(Section):
     """Prompts (groups) in one step's batch after dynamic sampling."""
     steps: int = Field(4, ge=1)
     """Training steps (one batch, rollout then update, each)."""
+    epochs: int | None = Field(None, ge=1)
+    """The run's length in passes over the train split instead of `steps`: steps = epochs x (train prompts //
+    prompts_per_step), the last partial batch of each pass dropped (verl's `len(train_dataloader) x total_epochs`
+    with `drop_last=True`: Mini-o3's verl/trainer/ppo/ray_trainer.py:580-581,623-628). None: `steps`."""
     max_turns: int | None = Field(None, ge=1)
     """Assistant turns per trajectory in training; None keeps protocol.max_turns (Mini-o3: 6)."""
     max_new_tokens: int | None = Field(None, ge=1)
@@ -323,6 +327,12 @@ class RLParams(Section):
     """Whether masked over-turn trajectories still count in their group's reward mean and std. Mini-o3's paper
     and its released code read differently here (its verl code zeroes the over-turn rows' loss mask and leaves
     the grouped rewards alone, which is `true`); both are available."""
+    cut_turn: Literal["trained", "masked"] = "trained"
+    """A trajectory whose last turn the token budget cut (end reason `length`): every generated token trained
+    (`trained`), or that turn's tokens masked while its earlier turns train and its reward still counts in its
+    group (`masked`: Mini-o3, whose response mask ends at the dialogue's last <|im_end|>: vllm_async_engine.py:916,
+    verl/utils/torch_functional.py:171-198 `get_final_eos_mask`, dp_actor.py:312). DAPO's overlong filter, when
+    on, masks the whole trajectory instead."""
     dynamic_sampling: DynamicSamplingParams = DynamicSamplingParams()
     """Drop zero-signal groups and refill the batch."""
     overlap: bool = False
@@ -489,6 +499,8 @@ class RLParams(Section):
             raise ValueError("clip_low/clip_high: at least one clip range must be positive")
         if self.mini_batches > self.prompts_per_step * self.samples_per_prompt:
             raise ValueError("mini_batches: more mini-batches than sequences in a batch")
+        if self.epochs is not None and "steps" in self.model_fields_set:
+            raise ValueError("steps, epochs: give the run's length one way (epochs derives the steps from the train split)")
         if self.lora.rank and self.learner_ranks > 1:
             raise ValueError("lora: adapters train in a single-process learner (one GPU or the CPU); set "
                              "ray.nodes x ray.gpus_per_node to 1, or lora.rank to 0 for the sharded learner")

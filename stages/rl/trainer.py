@@ -132,16 +132,22 @@ def _trainable(t: Trajectory, params: RLParams, markers: frozenset[int] = frozen
     return trained, counted
 
 
-def to_sequence(t: Trajectory, trained: bool, group: str) -> TrainSequence:
+def to_sequence(t: Trajectory, trained: bool, group: str, mask_cut_turn: bool = False) -> TrainSequence:
     """The learner's view of a trajectory: its token trace, trained positions, the sampler's log-probs and the
     images the model saw (the trace's own uint8 objects; the learner computes their pixel values itself, so
-    no float32 pixels travel to its ranks, and the engine's `trace.extras` is never read)."""
+    no float32 pixels travel to its ranks, and the engine's `trace.extras` is never read). `mask_cut_turn`
+    (`rl.cut_turn: masked`): the generated tokens of a `length` trajectory's last, cut turn are not trained."""
     trace = t.trace
     if trace is None:
         raise ValueError(f"trajectory {t.traj_id} has no token trace; the rl stage needs the transformers or vllm engine")
     ids = torch.tensor(trace.input_ids, dtype=torch.long)
     generated = torch.tensor(trace.generated, dtype=torch.bool)
     generated[0] = False  # the first token has no logit predicting it (never generated anyway)
+    if mask_cut_turn and t.end_reason == "length":
+        last = len(generated)
+        while last > 0 and generated[last - 1]:  # the cut turn: the trace's final run of generated tokens
+            last -= 1
+        generated[last:] = False
     positions = generated.nonzero().squeeze(1) if trained else torch.zeros(0, dtype=torch.long)
     return TrainSequence(
         input_ids=ids,
@@ -403,7 +409,8 @@ class Trainer:
         self.last_batch = batch or everything
         flags = [_trainable(t, p, self.inputs.vision_markers) for t in batch]
         labels = [f"{g}" for g, group in enumerate(kept) for _ in group]
-        sequences = [to_sequence(t, trained, label) for t, (trained, _), label in zip(batch, flags, labels)]
+        cut = p.cut_turn == "masked"
+        sequences = [to_sequence(t, trained, label, cut) for t, (trained, _), label in zip(batch, flags, labels)]
         trained = [s for s in sequences if s.num_trained]
 
         update_started = time.perf_counter()

@@ -80,7 +80,7 @@ def _synthesize(seed: int, params: SynthParams, protocol_params: ProtocolParams,
     protocol = make_protocol(protocol_params)
     max_turns = params.max_turns or protocol_params.max_turns
     rules = RejectionRules.from_params(protocol_params, max_turns, params.keep_format_errors, params.require_think,
-                                       params.min_tool_calls)
+                                       params.min_tool_calls, params.import_.keep)
     fingerprint: dict[str, Any] = {
         "code": _code_digest(),
         "seed": seed,

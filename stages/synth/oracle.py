@@ -310,7 +310,7 @@ class OracleEngine(Engine):
                     raise OracleError(f"task {task.doc_id}: its operation {task.operation!r} needs the call(s) "
                                       f"{', '.join(missing)}, which the {self.protocol.name} protocol has no "
                                       "grammar for; use protocol.name: pixelis")
-            if task.bbox is None and not _rationale(task):
+            if task.tools and task.bbox is None and not _rationale(task):
                 raise OracleError(f"task {task.doc_id}: field 'bbox' is missing; the oracle teacher needs tasks "
                                   "with a ground-truth target box (synthetic tasks) or a 'rationale' to answer with")
             if not task.is_choice:
@@ -324,7 +324,9 @@ class OracleEngine(Engine):
             raise OracleError(f"the oracle was not prepared for the question {question[:80]!r}")
         task, k = queue.popleft()
         rng = random.Random(f"loupe-oracle/{self.seed}/{task.doc_id}/{k}")
-        if task.operation is not None:
+        if not task.tools:  # a question without the tool: answered in its first turn
+            plan = Plan("reason" if _rationale(task) else "no_tools", [])
+        elif task.operation is not None:
             plan = Plan("operate", [], operation_calls(task))
         elif task.waypoints:
             plan = follow_plan(task, self.params, rng)

@@ -102,6 +102,12 @@ class ImportParams(Section):
     """Import only the first N rows (smoke runs); None for all."""
     batch_rows: int = Field(64, ge=1)
     """Rows read from the parquet at a time, and rows per shard (bounds memory: rows hold their images' bytes)."""
+    keep: Literal["checked", "trainable"] = "checked"
+    """Which imported rows reach the dataset: those that pass every rejection check (`checked`), or every row
+    LLaMA-Factory can train on (`trainable`, Mini-o3: scripts/preprocess_coldstart.py:35-49 writes every row):
+    readable images, one per placeholder, user and assistant turns alternating to an assistant turn, whatever
+    the parser, the turn and image limits or the pixel budget say (LLaMA-Factory's `SharegptDatasetConverter`,
+    src/llamafactory/data/converter.py, skips only rows with a wrong role order or message count)."""
 
 
 class SynthParams(Section):

@@ -3,7 +3,8 @@
 A trajectory is kept only if every check passes; the first failing check names the reason (counted in
 metrics.json). In order:
 
-- a teacher's own verdict (`bad_image`, `protocol` from the importer);
+- a teacher's own verdict (`bad_image`, `protocol` from the importer); with `synth.import.keep: trainable` an
+  imported row that ends on an assistant turn is kept here, checked no further (Mini-o3 trains every row);
 - `not_answered:<end_reason>`: it ended over the turn limit, on a format error, or cut at the token budget;
 - `invalid_reward`: the LLM judge failed after its retries (neither right nor wrong: dropped, not counted wrong);
 - `wrong_answer`: the rewards module says the final answer is wrong (imported records carry no solution and
@@ -38,12 +39,14 @@ class RejectionRules:
     keep_format_errors: bool = False
     require_think: bool = True
     min_tool_calls: int = 1
+    import_keep: str = "checked"
+    """`synth.import.keep`: `trainable` keeps every imported row LLaMA-Factory can train on, checked no further."""
 
     @classmethod
     def from_params(cls, protocol: ProtocolParams, max_turns: int, keep_format_errors: bool, require_think: bool,
-                    min_tool_calls: int) -> RejectionRules:
+                    min_tool_calls: int, import_keep: str = "checked") -> RejectionRules:
         return cls(max_turns, protocol.max_images, protocol.min_pixels, protocol.max_pixels, keep_format_errors,
-                   require_think, min_tool_calls)
+                   require_think, min_tool_calls, import_keep)
 
 
 def protocol_violation(trajectory: Trajectory, protocol: Protocol, require_think: bool) -> str | None:
@@ -76,6 +79,11 @@ def rejection_reason(trajectory: Trajectory, protocol: Protocol, rules: Rejectio
     """The first check the trajectory fails (see the module docstring), or None to keep it."""
     if trajectory.meta.get("reject"):  # a teacher's own verdict (import: an unreadable image, a broken dialogue)
         return str(trajectory.meta["reject"])
+    if trajectory.meta.get("imported") and rules.import_keep == "trainable":
+        # The importer refused what LLaMA-Factory cannot train (role order, image count); it also needs the
+        # dialogue to end on an assistant turn, which it trains as the response.
+        ends_on_assistant = bool(trajectory.turns) and trajectory.turns[-1].role == "assistant"
+        return None if ends_on_assistant else "protocol"
     if trajectory.end_reason != "answered":
         return f"not_answered:{trajectory.end_reason}"
     imported = bool(trajectory.meta.get("imported"))

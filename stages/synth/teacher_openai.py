@@ -205,7 +205,7 @@ def build_openai_teacher(
     exemplars = load_exemplars(params.exemplars, protocol) if params.num_exemplars else []
     temperature = params.temperature if params.temperature is not None else temperature
     cache = DiskReplyCache(params.cache_dir)
-    return FewShotOpenAIEngine(endpoint, exemplars, params.num_exemplars, protocol.stop, temperature, top_p, seed, cache)
+    return FewShotOpenAIEngine(endpoint, exemplars, params.num_exemplars, protocol.stop_strings(), temperature, top_p, seed, cache)
 
 
 def usage_report(usage: UsageCounter, params: OpenAITeacherParams) -> dict[str, Any]:
