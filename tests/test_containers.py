@@ -4,6 +4,8 @@
   stage's CLI as entrypoint, the shared install step);
 - every lock file parses, pins each package once with a hash, and is not stale against its inputs;
 - the lock closure check catches a missing or mismatched dependency;
+- every grader a preset's reward path imports (math-verify, MathRuler, the judge's openai client...) is in the lock
+  of each image that scores that preset: tests/grader_cases.py's cases, scored here, name what they import;
 - `loupe stage` builds the container command a local run's outputs need (mounts, user, variables, GPUs) and
   really execs it (a recording stand-in for podman/docker on PATH), or the stage itself when run locally.
 The builds, the runs inside the images and the lock checks against the index are in test_containers_slow.py.
@@ -23,11 +25,13 @@ from pathlib import Path
 import pytest
 
 from loupe import containers
+from pipelines.workspace import read_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTAINERS = ROOT / "containers"
 STAGES = ("synth", "sft", "rl", "eval")
 sys.path.insert(0, str(CONTAINERS))
+import grader_cases  # tests/grader_cases.py
 import locks  # containers/locks.py is a script beside the Dockerfiles, not a package
 
 
@@ -130,6 +134,110 @@ def test_pip_target_args_cover_older_manylinux_tags():
     platforms = [args[i + 1] for i, a in enumerate(args) if a == "--platform"]
     assert platforms[0] == "manylinux_2_35_x86_64" and "manylinux_2_17_x86_64" in platforms
     assert args[args.index("--python-version") + 1] == "3.12" and args[args.index("--abi") + 1] == "cp312"
+
+
+# --- the graders each preset's reward path needs, in the images that score it ------------------------------
+
+PRESETS = ("r1-v", "lmm-r1", "easyr1-geo", "deepeyes", "mini-o3", "pixel-reasoner", "pixelis")
+
+
+@pytest.fixture(scope="module")
+def reached() -> list[tuple[str, str, str, str]]:
+    """(params file, section, image, rule) for every params file, each section its pipeline scores (synth, the
+    RL sections, eval) and each `free_form_match` rule that section reaches (its own and its data sources')."""
+    rows = []
+    for params_file in sorted((ROOT / "params").glob("*.yaml")):
+        recipe = read_recipe(ROOT, params_file)
+        for section, image in grader_cases.scoring_sections(recipe).items():
+            rows += [(params_file.name, section, image, rule)
+                     for rule in sorted(grader_cases.rules_of(grader_cases.reward_section(recipe, section)))]
+    return rows
+
+
+def _image_targets(reached, rule: str) -> list[str]:
+    """The lock targets of every image that scores `rule` for some params file."""
+    images = {image for _, _, image, r in reached if r == rule}
+    return [name for name, target in locks.TARGETS.items() if target.stage in images]
+
+
+@pytest.fixture(scope="module")
+def grader_runs(tmp_path_factory, reached) -> dict[str, dict]:
+    """Every grader case scored here by tests/grader_cases.py (each in a child forked from a process holding only
+    `loupe.rewards`, so each reports what its own scoring imported): as is; once per grader it names, with that
+    package's imports failing (`<id> without <grader>`); and with every package failing that is missing from any
+    lock of the images scoring its rule (`<id> in <targets>`: those images' packages, as far as they matter).
+    About 20 s."""
+    from importlib.metadata import packages_distributions
+
+    owners = packages_distributions()
+    cases = []
+    for case in grader_cases.CASES:
+        cases.append(grader_cases.payload(case))
+        cases += [grader_cases.payload(case, grader_cases.modules_of(owners, lambda d, g=grader: d != g),
+                                       f"{case.id} without {grader}") for grader in case.graders]
+        targets = _image_targets(reached, grader_cases.case_rule(case))
+        everywhere = set.intersection(*(set(locks.read_lock(locks.TARGETS[t].lock)) for t in targets))
+        cases.append(grader_cases.payload(case, grader_cases.modules_of(owners, everywhere.__contains__),
+                                          f"{case.id} in {' '.join(targets)}"))
+    payload = tmp_path_factory.mktemp("graders") / "payload.json"
+    payload.write_text(json.dumps(cases))
+    result = subprocess.run([sys.executable, "tests/grader_cases.py", str(payload)], cwd=ROOT, capture_output=True,
+                            text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = {r["id"]: r for r in (json.loads(line) for line in result.stdout.splitlines() if line.startswith("{"))}
+    assert sorted(runs) == sorted(c["id"] for c in cases)
+    return runs
+
+
+def test_grader_cases_score_their_totals_here(grader_runs):
+    """Each case scores what its `why` says through its preset's reward settings, in a section its preset's
+    pipeline scores; every preset of docs/recipes.md has one."""
+    for case in grader_cases.CASES:
+        run = grader_runs[case.id]
+        assert "error" not in run, f"{case.id}: {run.get('traceback') or run.get('error')}"
+        assert run["total"] == pytest.approx(case.total) and run["accuracy"] == pytest.approx(case.accuracy), \
+            f"{case.id}: {run['total']} ({run['matched_by']}), expected {case.total}: {case.why}"
+        assert case.section in grader_cases.scoring_sections(grader_cases.read_preset(case.preset)), case.id
+        assert not run["unowned"], f"{case.id}: imported modules no distribution owns: {run['unowned']}"
+    assert {case.preset for case in grader_cases.CASES} == set(PRESETS)
+
+
+def test_each_grader_case_needs_the_graders_it_names(grader_runs):
+    """A case's named graders are among what its scoring imported, and without any one of them its score fails
+    or changes: the cases exercise their graders, so the lock checks below check something."""
+    for case in grader_cases.CASES:
+        run = grader_runs[case.id]
+        assert set(case.graders) <= set(run["distributions"]), (case.id, case.graders, run["distributions"])
+        for grader in case.graders:
+            blocked = grader_runs[f"{case.id} without {grader}"]
+            assert "error" in blocked or blocked["total"] != pytest.approx(run["total"]), \
+                f"{case.id} scores {run['total']} without {grader} too"
+
+
+def test_every_image_holds_the_graders_its_presets_reach(grader_runs, reached):
+    """For every params file, section and rule (`reached`), the lock of each stack of the image that scores it
+    pins the graders that rule's cases name, and each case scores the same with only the packages of those
+    locks importable: what would have caught EasyR1's preset raising at its first score in the rl image (no
+    mathruler, no pylatexenc in its locks). A rule no case covers fails too."""
+    rule_of = {case.id: grader_cases.case_rule(case) for case in grader_cases.CASES}
+    uncovered = {rule for *_, rule in reached} - set(rule_of.values())
+    assert not uncovered, f"rules no case in tests/grader_cases.py scores: {sorted(uncovered)}"
+    pins = {name: locks.read_lock(target.lock) for name, target in locks.TARGETS.items()}
+    missing = set()
+    for params, section, image, rule in reached:
+        graders = {grader for case in grader_cases.CASES if rule_of[case.id] == rule for grader in case.graders}
+        missing |= {f"{params} {section} ({rule}): {grader} is not in {name}'s lock"
+                    for name, target in locks.TARGETS.items() if target.stage == image
+                    for grader in graders if grader not in pins[name]}
+    assert not missing, "\n".join(sorted(missing))
+    for case in grader_cases.CASES:
+        targets = " ".join(_image_targets(reached, rule_of[case.id]))
+        run, there = grader_runs[case.id], grader_runs[f"{case.id} in {targets}"]
+        assert "error" not in there and there["total"] == pytest.approx(run["total"]), \
+            f"{case.id} with only the packages of {targets}: {there.get('error') or there['total']}"
+        everywhere = set.intersection(*(set(pins[name]) for name in targets.split()))
+        outside = [d for d in there["distributions"] if not any(name in everywhere for name in d.split("|"))]
+        assert not outside, f"{case.id} imports {outside} (loupe.rewards itself does), missing from {targets}"
 
 
 # --- the launcher -------------------------------------------------------------------------------------------

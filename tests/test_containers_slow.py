@@ -1,5 +1,7 @@
 """Slow: the images for real. Build the synth and eval images with podman, run both stages inside them on the
-tiny model, and compare every output with a local run's; check every lock file against its package index.
+tiny model, and compare every output with a local run's; build the rl image and score one case per preset in the
+image that scores it (tests/grader_cases.py: the rl image for the RL sections, the eval image for eval), each case
+needing its rule's grader; check every lock file against its package index.
 
     .venv/bin/python -m pytest tests/test_containers_slow.py -m slow -q
 
@@ -24,6 +26,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 CONTAINERS = ROOT / "containers"
 sys.path.insert(0, str(CONTAINERS))
+import grader_cases  # tests/grader_cases.py
 import locks  # containers/locks.py, a script beside the Dockerfiles
 
 # Fields that measure time, not results: equal runs differ there and nowhere else.
@@ -47,6 +50,13 @@ def images() -> dict[str, str]:
         out = _run(["podman", "image", "inspect", "--format", "{{json .Config.Labels}}", f"loupe-{stage}:latest"])
         labels[stage] = json.loads(out.stdout)
     return labels
+
+
+@pytest.fixture(scope="module")
+def rl_image() -> None:
+    """The rl image built offline (about 5 minutes the first time: its stack holds torch and Ray)."""
+    _run(["containers/setup-host.sh"])
+    _run(["containers/build.sh", "rl"])
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +158,30 @@ def test_container_outputs_belong_to_the_caller(images, case):
     out = case["base"] / "eval"
     owners = {(p.stat().st_uid, p.stat().st_gid) for p in out.rglob("*")}
     assert owners == {(os.getuid(), os.getgid())}
+
+
+@pytest.mark.parametrize("image", ["rl", "eval"])
+def test_each_preset_scores_in_the_image_that_scores_it(image, request, tmp_path):
+    """Every grader case of the sections `image` scores, run by tests/grader_cases.py inside the image (no network:
+    the judge cases' fake server is on the container's loopback), on the image's own code and stack: each scores
+    its expected total, with its graders imported there. The rl image scores a case of every preset."""
+    request.getfixturevalue("rl_image" if image == "rl" else "images")
+    cases = [c for c in grader_cases.CASES
+             if grader_cases.scoring_sections(grader_cases.read_preset(c.preset))[c.section] == image]
+    payload = tmp_path / "payload.json"
+    payload.write_text(json.dumps([grader_cases.payload(c) for c in cases]))
+    result = _run(["podman", "run", "--rm", "--network", "none", "--user", f"{os.getuid()}:{os.getgid()}",
+                   "--volume", f"{ROOT}:{ROOT}:ro", "--volume", f"{tmp_path}:{tmp_path}:ro", "--workdir", str(ROOT),
+                   "--entrypoint", "python", f"loupe-{image}:latest", "tests/grader_cases.py", str(payload)])
+    runs = {r["id"]: r for r in (json.loads(line) for line in result.stdout.splitlines() if line.startswith("{"))}
+    for c in cases:
+        run = runs[c.id]
+        assert "error" not in run, f"{c.id} in loupe-{image}: {run.get('traceback') or run.get('error')}"
+        assert run["total"] == pytest.approx(c.total) and run["accuracy"] == pytest.approx(c.accuracy), \
+            f"{c.id} in loupe-{image}: {run['total']} ({run['matched_by']}), expected {c.total}: {c.why}"
+        assert set(c.graders) <= set(run["distributions"]), (c.id, c.graders, run["distributions"])
+    if image == "rl":
+        assert {c.preset for c in cases} == {c.preset for c in grader_cases.CASES}
 
 
 @pytest.mark.parametrize("name", list(locks.TARGETS))

@@ -106,8 +106,8 @@ def grade_answer(answer: str | None, reference: str) -> bool:
     `\\frac{3}{4}`, where math-verify says equal); otherwise equal after MathRuler's normalisation or when sympy
     simplifies the difference to 0.
 
-    The `mathruler` package (with `pylatexenc`) is the CPU stack's and the vLLM test venv's; an environment
-    without it gets an error saying so, not a silent fallback to another grader."""
+    The `mathruler` package (with `pylatexenc`) is the CPU stack's, the vLLM test venv's and the rl and eval
+    images'; an environment without it gets an error saying so, not a silent fallback to another grader."""
     try:
         from mathruler.grader import grade_answer as mathruler_grade_answer
     except ImportError as err:
