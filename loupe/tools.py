@@ -145,15 +145,14 @@ def mini_o3_resize(image: Image.Image, budget: PixelBudget) -> Image.Image:
     return image
 
 
-def fit_crop(region: Image.Image, budget: PixelBudget, resample: str = "bicubic") -> Image.Image:
-    """A cut region as the model is shown it: `bicubic` resizes it straight to Qwen's size for the crops'
-    budget; `mini_o3` first runs Mini-o3's NEAREST `process_image` (`mini_o3_resize`), then the processor's
-    resize of that result (bicubic to its `smart_resize`), as Mini-o3's rollout shows a crop."""
+def fit_crop(region: Image.Image, budget: PixelBudget) -> Image.Image:
+    """A cut region as the model is shown it, by `budget.crop_resample`: `bicubic` resizes it straight into the
+    crops' budget (`fit_to_budget`); `mini_o3` first runs Mini-o3's NEAREST `process_image` (`mini_o3_resize`),
+    then the processor's resize of that result, as Mini-o3's rollout shows a crop."""
     crops = budget.for_crops()
-    if resample == "mini_o3":
+    if budget.crop_resample == "mini_o3":
         region = mini_o3_resize(region, crops)
-    new_h, new_w = smart_resize(region.height, region.width, crops)
-    return region if region.size == (new_w, new_h) else region.resize((new_w, new_h), Image.Resampling.BICUBIC)
+    return fit_to_budget(region, crops)
 
 
 def round_outwards(box: tuple[float, float, float, float]) -> tuple[int, int, int, int]:
@@ -413,7 +412,7 @@ def crop(session: ImageSession, arguments: dict[str, Any], budget: PixelBudget) 
         pixels = session.base_image(base)
         assert pixels is not None  # the source exists, so the image it was cut from does
         region = pixels.crop((left, top, right, bottom))
-    region = fit_crop(region, budget, budget.crop_resample)
+    region = fit_crop(region, budget)
     return CropResult(image=region, source=source, box_px=box_px, region=composed,
                       region_px=(left, top, right, bottom), base=base)
 

@@ -90,8 +90,9 @@ def test_a_crop_is_resized_as_mini_o3s_process_image_then_the_processor_do():
     nearest = mini_o3_resize(region, budget)
     assert nearest.size == (230, 173)  # int(20 x 11.547), int(15 x 11.547): sqrt(40000 / 300)
     assert {c for _, c in nearest.getcolors(1 << 16)} <= set(colours)  # NEAREST makes no new colour
-    assert fit_crop(region, budget, "mini_o3").size == (252, 196)  # the processor's smart_resize of 230 x 173
-    assert fit_crop(region, budget, "mini_o3").tobytes() != fit_crop(region, budget, "bicubic").tobytes()
+    mini_o3 = PixelBudget(40_000, 2_000_000, crop_resample="mini_o3")
+    assert fit_crop(region, mini_o3).size == (252, 196)  # the processor's smart_resize of 230 x 173
+    assert fit_crop(region, mini_o3).tobytes() != fit_crop(region, budget).tobytes()
     thin = mini_o3_resize(Image.new("RGB", (400, 5)), PixelBudget(784, 2_000_000))
     assert thin.height >= 28  # 400 x 5 < 784: scaled by sqrt to 396 x 4, then the short side up past 28
     assert PRESET["protocol"]["crop_resample"] == "mini_o3"

@@ -135,8 +135,6 @@ class Learner:
         # precision policy (stages/rl/precision.py). Loaded on CPU first when sharding: fully_shard moves each
         # rank's shard to its GPU, so no rank ever holds the whole model there.
         self.precision = fsdp_mixed_precision(params.mixed_precision, self.device)
-        if params.lora.rank and distributed:
-            raise ValueError("rl.lora: adapters train in a single-process learner (one GPU or the CPU)")
         # With LoRA the base is frozen: no optimiser step rounds into it, so it is held in the compute dtype
         # (bf16 on a GPU: 15 GB for 7B instead of 30); the adapters stay float32 (stages/rl/lora.py).
         base_dtype = self.precision.param_dtype if params.lora.rank and self.precision is not None else torch.float32
