@@ -49,6 +49,8 @@ class JudgeResult:
     attempts: int = 0
     reply: str | None = None
     error: str | None = None
+    zeroed: bool = False
+    """A verdict the judge could not give, scored 0 by `judge.on_failure: zero` (`error` says why)."""
 
 
 def parse_judge_score(reply: str | None) -> float | None:
@@ -234,7 +236,14 @@ class LLMJudge:
     # -- judging --
 
     def judge(self, question: str, reference: str, prediction: str) -> JudgeResult:
-        """One verdict, from the cache when known; thread-safe. Never raises on server trouble: see `valid`."""
+        """One verdict, from the cache when known; thread-safe. Never raises on server trouble: a verdict the
+        judge could not give is invalid, or with `on_failure: zero` a 0 marked `zeroed` (never cached)."""
+        result = self._verdict(question, reference, prediction)
+        if result.valid or self.config.on_failure != "zero":
+            return result
+        return JudgeResult(score=0.0, valid=True, attempts=result.attempts, error=result.error, zeroed=True)
+
+    def _verdict(self, question: str, reference: str, prediction: str) -> JudgeResult:
         item = JudgeItem(question, reference, prediction)
         if not self.config.cache:  # asked every time (Mini-o3): nothing remembered, nothing shared
             result = self._ask(item)

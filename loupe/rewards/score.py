@@ -35,14 +35,13 @@ def tool_reward(correct: bool, num_tool_calls: int, cfg: RewardConfig) -> float:
     return bonus - cfg.tool_call_penalty * max(0, num_tool_calls - cfg.free_tool_calls)
 
 
-def _zero_on_failure(cfg: RewardConfig) -> bool:
-    """Whether a verdict the judge could not give scores accuracy 0 (`judge.on_failure: zero`, DeepEyes' geoguessr
-    and math checks, `vl_agent.py:316-336,363-385`) rather than making the reward invalid."""
-    return cfg.judge is not None and cfg.judge.on_failure == "zero"
-
-
 JUDGE_FAILED_ZERO = "judge failed, scored 0"
 """`matched_by` (after the rule's name) of an accuracy of 0 given for a failed verdict under `on_failure: zero`."""
+
+
+def _judged_by(rule: str, verdicts: list[JudgeResult | None]) -> str:
+    """`matched_by` for a rule that asked the judge: the rule's name, marked when a verdict was `zeroed`."""
+    return f"{rule}, {JUDGE_FAILED_ZERO}" if any(v is not None and v.zeroed for v in verdicts) else rule
 
 
 def _judge_question_text(task: TaskRecord) -> str:
@@ -134,15 +133,13 @@ def score(
         if accuracy == 0.0 and wants_judge:
             verdict = judge.judge(_judge_question_text(task), task.solution, answer)  # type: ignore[union-attr]
 
-    if verdict is not None and not verdict.valid and _zero_on_failure(cfg):
-        accuracy, matched_by, verdict = 0.0, f"judge, {JUDGE_FAILED_ZERO}", None
     if verdict is not None:
         if not verdict.valid:
             reason = f"judge failed: {verdict.error}"
             return RewardParts(
                 None, fmt, tool_reward(False, num_tool_calls, cfg), None, False, reason, extracted, "judge"
             )
-        accuracy, matched_by = float(verdict.score or 0.0), "judge"
+        accuracy, matched_by = float(verdict.score or 0.0), _judged_by("judge", [verdict])
 
     if cfg.format_rule == "deepeyes" and len(answer or "") >= DEEPEYES_MAX_ANSWER_CHARS:
         accuracy = 0.0
@@ -170,9 +167,7 @@ def _deepeyes(task: TaskRecord, response: str, cfg: RewardConfig, judge: LLMJudg
     broken = deepeyes_format_broken(response)
     verdict = judge.judge(_judge_question_text(task), task.solution, answer_text)
     fmt = -1.0 if broken else 0.0
-    matched_by = "deepeyes"
-    if not verdict.valid and _zero_on_failure(cfg):
-        verdict, matched_by = JudgeResult(score=0.0, valid=True), f"deepeyes, {JUDGE_FAILED_ZERO}"
+    matched_by = _judged_by("deepeyes", [verdict])
     if not verdict.valid:
         return RewardParts(None, fmt, 0.0, None, False, f"judge failed: {verdict.error}", answer_text, "judge")
     accuracy = 0.0 if len(answer_text) >= DEEPEYES_MAX_ANSWER_CHARS else float(verdict.score or 0.0)
@@ -207,10 +202,14 @@ def _deepeyes_other(task: TaskRecord, response: str, cfg: RewardConfig, judge: L
         raise ValueError("the reward config asks for an LLM judge but none was given to score()")
     question = _judge_question_text(task)
     rule = deepeyes_math if cfg.free_form_match == "deepeyes_math" else deepeyes_common
-    accuracy, fmt, answer = rule(response, task.solution, lambda text: judge.judge(question, task.solution, text))
-    matched_by = cfg.free_form_match
-    if accuracy is None and _zero_on_failure(cfg):  # DeepEyes: 0 after its 8 tries (vl_agent.py:316-336,363-385)
-        accuracy, matched_by = 0.0, f"{matched_by}, {JUDGE_FAILED_ZERO}"
+    verdicts: list[JudgeResult | None] = []
+
+    def ask(text: str) -> JudgeResult:
+        verdicts.append(judge.judge(question, task.solution, text))  # type: ignore[union-attr]
+        return verdicts[-1]  # type: ignore[return-value]
+
+    accuracy, fmt, answer = rule(response, task.solution, ask)
+    matched_by = _judged_by(cfg.free_form_match, verdicts)
     if accuracy is None:
         return RewardParts(None, fmt, 0.0, None, False, "judge failed", answer, "judge")
     tool = cfg.tool_bonus if cfg.free_form_match == "deepeyes_common" and deepeyes_crops(response) > 0 and accuracy > 0.5 else 0.0
@@ -229,8 +228,7 @@ def _mini_o3(task: TaskRecord, turns: list[str], end_reason: str, has_think: boo
     accuracy, matched_by = 0.0, "mini_o3"
     if answer is not None:
         verdict = judge.judge(_judge_question_text(task), task.solution, answer)
-        if not verdict.valid and _zero_on_failure(cfg):
-            verdict, matched_by = JudgeResult(score=0.0, valid=True), f"mini_o3, {JUDGE_FAILED_ZERO}"
+        matched_by = _judged_by("mini_o3", [verdict])
         if not verdict.valid:
             return RewardParts(None, fmt, 0.0, None, False, f"judge failed: {verdict.error}", answer, "judge")
         accuracy = float(verdict.score or 0.0)
