@@ -231,6 +231,9 @@ class OpenAIEndpointParams(Section):
     """Cap on one exponential wait between attempts; a server's Retry-After (up to two minutes) is obeyed."""
     timeout_s: float = Field(120.0, gt=0)
     """Seconds one request may take."""
+    extra_body: dict[str, Any] = Field(default_factory=dict)
+    """Fields added to every request's body, for a server's own options: `{loupe: {loop: false}}` makes
+    `loupe serve` answer one turn at a time, so this engine's loop drives it like any endpoint (docs/serve.md)."""
 
 
 class RolloutParams(Section):

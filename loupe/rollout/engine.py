@@ -102,6 +102,11 @@ class Engine(ABC):
     def add_user_turn(self, state: Any, text: str, images: list[Image.Image]) -> None:
         """Close the assistant turn and append a user turn (an observation or an error message)."""
 
+    def add_assistant_text(self, state: Any, text: str) -> None:
+        """Append an assistant turn written elsewhere (a dialogue a client sends `loupe serve`), as context the
+        model did not generate; `add_user_turn` closes it."""
+        raise NotImplementedError(f"the {self.name} engine cannot take a written assistant turn")
+
     @abstractmethod
     def context_length(self, state: Any) -> int:
         """Tokens the dialogue holds now (an estimate where the engine sees no tokens)."""
@@ -148,6 +153,13 @@ class Engine(ABC):
     def cancel(self) -> None:
         """Drop every submitted turn not yet returned (the loop stops on an error)."""
         self._queue().turns.clear()
+
+    def discard(self, tickets: set[int]) -> None:
+        """Drop these submitted turns and leave the others running (a served request whose client went away,
+        `loupe.serve`); a dropped turn is never reported by `poll`. A batch engine drops them from its queue;
+        engines with turns mid-way also stop those."""
+        queue = self._queue()
+        queue.turns = [turn for turn in queue.turns if turn[0] not in tickets]
 
     def _queue(self) -> TurnQueue:
         queue = getattr(self, "_turn_queue", None)

@@ -193,6 +193,10 @@ class TokenContextEngine(Engine):
             state.pixel_values.append(pixels)
             state.grid_thw.append(grid)
 
+    def add_assistant_text(self, state: _State, text: str) -> None:
+        state.trace.append(self.tokenizer(text, add_special_tokens=False)["input_ids"], generated=False)
+        state.last_finish = "stop"
+
     def context_length(self, state: _State) -> int:
         return len(state.trace)
 
@@ -403,6 +407,12 @@ class TransformersEngine(TokenContextEngine):
     def cancel(self) -> None:
         super().cancel()
         self._running = None
+
+    def discard(self, tickets: set[int]) -> None:
+        super().discard(tickets)
+        if self._running is not None:
+            self._running = keep_rows(self._running, [i for i, row in enumerate(self._running.rows)
+                                                      if row.ticket not in tickets])
 
     @torch.inference_mode()
     def generate(self, states: list[_State], max_new_tokens: int) -> list[Generation]:

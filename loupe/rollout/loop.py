@@ -73,47 +73,59 @@ class Rollout:
 
     def _begin(self, image_root: Path, samples_per_task: int) -> list[_Live]:
         live = []
-        protocol, protocol_params, engine = self.protocol, self.protocol_params, self.engine
         for task in self.tasks:
-            # Decoded once per task: its samples share the original and the downscaled copy the model sees.
-            prompt_task, frames = task, []
-            if task.video is not None:
-                # A video's sampled frames are its images: one placeholder each in the question.
-                frames = read_clip(task.video, image_root, protocol_params.video_max_frames,
-                                   protocol_params.max_decode_pixels)
-                originals = frames
-                shown = [fit_to_budget(img, protocol_params.frame_budget(len(frames))) for img in frames]
-                prompt_task = task.model_copy(update={"images": [f"{task.video}#{n}" for n in range(1, len(frames) + 1)]})
+            live += self.add_task(task, image_root, samples_per_task)
+        return live
+
+    def add_task(self, task: TaskRecord, image_root: Path | None, samples_per_task: int = 1,
+                 images: list[Image.Image] | None = None) -> list[_Live]:
+        """Begin `samples_per_task` trajectories of `task`; returns those still live (a prompt past the context
+        ends at once as `over_turn`). Its images are read from `image_root`, or given decoded in `images` (a
+        served request's uploads, `loupe.serve`), recorded in the trajectory as they are."""
+        live = []
+        protocol, protocol_params, engine = self.protocol, self.protocol_params, self.engine
+        # Decoded once per task: its samples share the original and the downscaled copy the model sees.
+        prompt_task, frames = task, []
+        if images is not None:
+            originals = images
+            shown = [fit_to_budget(img, protocol_params.budget) for img in originals]
+        elif task.video is not None:
+            # A video's sampled frames are its images: one placeholder each in the question.
+            frames = read_clip(task.video, image_root, protocol_params.video_max_frames,
+                               protocol_params.max_decode_pixels)
+            originals = frames
+            shown = [fit_to_budget(img, protocol_params.frame_budget(len(frames))) for img in frames]
+            prompt_task = task.model_copy(update={"images": [f"{task.video}#{n}" for n in range(1, len(frames) + 1)]})
+        else:
+            originals = [open_image(p, image_root, protocol_params.max_decode_pixels) for p in task.images]
+            shown = [fit_to_budget(img, protocol_params.budget) for img in originals]
+        for k in range(samples_per_task):
+            trajectory = Trajectory(
+                traj_id=f"{task.doc_id}#{k}",
+                task=task.model_dump(exclude_none=True),
+                protocol=protocol.name,
+                system=protocol.system_prompt(),
+                sample_index=k,
+                meta={"engine": engine.name},
+            )
+            question = protocol.question_text(prompt_task)
+            if frames or images is not None:  # written beside the trajectory as the model saw them, like crops
+                indices = [trajectory.add_image(image) for image in (shown if frames else originals)]
             else:
-                originals = [open_image(p, image_root, protocol_params.max_decode_pixels) for p in task.images]
-                shown = [fit_to_budget(img, protocol_params.budget) for img in originals]
-            for k in range(samples_per_task):
-                trajectory = Trajectory(
-                    traj_id=f"{task.doc_id}#{k}",
-                    task=task.model_dump(exclude_none=True),
-                    protocol=protocol.name,
-                    system=protocol.system_prompt(),
-                    sample_index=k,
-                    meta={"engine": engine.name},
-                )
-                question = protocol.question_text(prompt_task)
-                if frames:  # written beside the trajectory as the model saw them, like crops
-                    indices = [trajectory.add_image(frame) for frame in shown]
-                else:
-                    # Absolute but not resolved: a hub-cache file is a symlink to a blob with no image suffix.
-                    indices = [trajectory.add_image(Path(os.path.abspath(image_root / p))) for p in task.images]
-                trajectory.turns.append(Turn("user", question, images=indices))
-                state = engine.begin(trajectory.system, question, shown)
-                trajectory.prompt_tokens = engine.context_length(state)
-                trajectory.turns[0].num_tokens = trajectory.prompt_tokens
-                # A text-only task has no original: a crop call gets the tool's "no such source" error back.
-                session = ImageSession(original=originals[0] if originals else None,
-                                       shown_original=shown[0] if shown else None, frames=frames)
-                item = _Live(trajectory, session, state, protocol_params.format_error_retries)
-                if trajectory.prompt_tokens + self.max_new_tokens > protocol_params.max_context_tokens:
-                    self._finish(item, "over_turn")
-                else:
-                    live.append(item)
+                # Absolute but not resolved: a hub-cache file is a symlink to a blob with no image suffix.
+                indices = [trajectory.add_image(Path(os.path.abspath(image_root / p))) for p in task.images]
+            trajectory.turns.append(Turn("user", question, images=indices))
+            state = engine.begin(trajectory.system, question, shown)
+            trajectory.prompt_tokens = engine.context_length(state)
+            trajectory.turns[0].num_tokens = trajectory.prompt_tokens
+            # A text-only task has no original: a crop call gets the tool's "no such source" error back.
+            session = ImageSession(original=originals[0] if originals else None,
+                                   shown_original=shown[0] if shown else None, frames=frames)
+            item = _Live(trajectory, session, state, protocol_params.format_error_retries)
+            if trajectory.prompt_tokens + self.max_new_tokens > protocol_params.max_context_tokens:
+                self._finish(item, "over_turn")
+            else:
+                live.append(item)
         return live
 
     def take(self, item: _Live, generation: Any) -> bool:

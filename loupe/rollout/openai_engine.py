@@ -154,6 +154,7 @@ class OpenAIEngine(Engine):
         self._waiting: deque[tuple[int, _ChatState, tuple[str, dict[str, Any]]]] = deque()
         self._in_flight: dict[Future, int] = {}
         self._ticket = 0
+        self._dropped: set[int] = set()
 
     def reseed(self, seed: int) -> None:
         self.seed = seed
@@ -168,6 +169,10 @@ class OpenAIEngine(Engine):
     def add_user_turn(self, state: _ChatState, text: str, images: list[Image.Image]) -> None:
         state.messages.append({"role": "user", "content": _content(text, images)})
         state.tokens += len(text) // 3 + 256 * len(images)
+
+    def add_assistant_text(self, state: _ChatState, text: str) -> None:
+        state.messages.append({"role": "assistant", "content": text})
+        state.tokens += len(text) // 3
 
     def context_length(self, state: _ChatState) -> int:
         return state.tokens
@@ -201,6 +206,10 @@ class OpenAIEngine(Engine):
             self.cancel()
             raise error
         finished = sorted((self._in_flight.pop(future), future.result()) for future in done)
+        if self._dropped:
+            kept = [(ticket, reply) for ticket, reply in finished if ticket not in self._dropped]
+            self._dropped -= {ticket for ticket, _ in finished}
+            finished = kept
         self._send_waiting()
         return finished
 
@@ -210,6 +219,11 @@ class OpenAIEngine(Engine):
         self._waiting.clear()
         wait(list(self._in_flight))
         self._in_flight.clear()
+
+    def discard(self, tickets: set[int]) -> None:
+        # Requests in flight are not recalled (HTTP has no abort); their replies are dropped when they come.
+        self._waiting = deque(entry for entry in self._waiting if entry[0] not in tickets)
+        self._dropped.update(tickets)
 
     def _request(self, state: _ChatState, max_new_tokens: int) -> tuple[str, dict[str, Any]]:
         """The request body for a state's next turn and its key: a digest of endpoint and body, then `-n`."""
@@ -224,8 +238,11 @@ class OpenAIEngine(Engine):
             request["stop"] = list(self.stop)
         if self.seed is not None:
             request["seed"] = self.seed
+        extra = dict(self.endpoint.extra_body)
         if self.top_k:  # not OpenAI's parameter; vLLM's server and most open servers read it from the body
-            request["extra_body"] = {"top_k": self.top_k}
+            extra["top_k"] = self.top_k
+        if extra:
+            request["extra_body"] = extra
         digest = hashlib.sha256(
             json.dumps([self.endpoint.base_url, request], sort_keys=True, ensure_ascii=False).encode("utf-8")
         ).hexdigest()

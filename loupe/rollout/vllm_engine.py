@@ -166,6 +166,13 @@ class VLLMEngine(TokenContextEngine):
             self.llm.llm_engine.abort_request([internal for _, _, internal in self._in_flight.values()], internal=True)
         self._in_flight.clear()
 
+    def discard(self, tickets: set[int]) -> None:
+        dropped = {key: entry for key, entry in self._in_flight.items() if entry[0] in tickets}
+        if dropped:
+            self.llm.llm_engine.abort_request([internal for _, _, internal in dropped.values()], internal=True)
+        for key in dropped:
+            del self._in_flight[key]
+
     def generate(self, states: list[_State], max_new_tokens: int) -> list[Generation]:
         return self.generate_by_polling(states, max_new_tokens)
 
