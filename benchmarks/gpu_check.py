@@ -27,7 +27,6 @@ import multiprocessing as mp
 import os
 import sys
 import tempfile
-import threading
 import time
 import warnings
 from pathlib import Path

@@ -14,6 +14,9 @@
                                                      --val, 5% of --train held out as val, seeded)
                                                      (r1v, r1v_eval, easyr1, lmm_r1: loupe/data/recipe_formats.py)
     loupe view TRAJECTORIES.jsonl --out page.html    a self-contained HTML page of trajectories with crops
+    loupe serve --model DIR [--params FILE] [--host H] [--port P] [KEY.PATH=VALUE ...]
+                                                     the model behind an OpenAI-compatible API with its zoom
+                                                     loop run server-side, and a page at / (docs/serve.md)
     loupe stage NAME [--in-container] ARGS...        one stage, locally or in its image (LOUPE_CONTAINER)
 
 Each stage also runs alone: `python -m stages.eval --help`.
@@ -91,6 +94,12 @@ def _cmd_view(args: argparse.Namespace) -> int:
     path = view_file(args.trajectories, args.out, max_trajectories=args.max)
     print(f"viewer: {path.resolve()}")
     return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from loupe.serve.main import serve_main
+
+    return serve_main(args.model, args.params, args.host, args.port, args.overrides)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -262,6 +271,15 @@ def build_parser() -> argparse.ArgumentParser:
     view.add_argument("--out", type=Path, required=True)
     view.add_argument("--max", type=int, default=None, help="show at most this many trajectories")
     view.set_defaults(func=_cmd_view)
+
+    serve = commands.add_parser("serve", help="serve a model with its zoom loop: OpenAI-compatible API and a page")
+    serve.add_argument("--model", type=Path, required=True, help="the model directory (work/rl/model, ...)")
+    serve.add_argument("--params", type=Path, default=Path("params.yaml"),
+                       help="its protocol, rollout and serve sections (a recipe's file for a recipe's model)")
+    serve.add_argument("--host", default=None, help="instead of serve.host")
+    serve.add_argument("--port", type=int, default=None, help="instead of serve.port (0: a free one)")
+    serve.add_argument("overrides", nargs="*", metavar="KEY.PATH=VALUE", help="params set on top of the file")
+    serve.set_defaults(func=_cmd_serve)
 
     from loupe.containers import add_stage_command
 

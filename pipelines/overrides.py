@@ -23,6 +23,7 @@ from loupe.config import (
     parse_section,
 )
 from loupe.data.families import DataParams
+from loupe.serve.params import ServeParams
 from pipelines.params import PipelineParams
 from pipelines.workspace import read_recipe
 from stages.eval.params import EvalParams
@@ -31,7 +32,7 @@ from stages.sft.params import SftParams
 from stages.synth.params import SynthParams
 
 SECTIONS = {"model": ModelParams, "protocol": ProtocolParams, "rollout": RolloutParams, "data": DataParams,
-            "synth": SynthParams, "sft": SftParams, "rl": RLParams, "eval": EvalParams, "pipeline": PipelineParams}
+            "synth": SynthParams, "sft": SftParams, "rl": RLParams, "eval": EvalParams, "pipeline": PipelineParams, "serve": ServeParams}
 """Each params section and the model its stage validates it with."""
 
 
