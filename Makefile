@@ -37,8 +37,17 @@ ui: $(STAMP)
 tiny-model: $(STAMP)
 	$(VENV)/bin/loupe model tiny --out assets/tiny-model
 
-test: $(STAMP)
+test: $(STAMP) | browser
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# Headless Chromium and its driver for the browser test of `loupe serve`'s page (tests/test_serve_page.py, via
+# selenium): Debian's packages, installed once when chromedriver is not on PATH (sudo unless already root).
+.PHONY: browser
+browser:
+	@if command -v chromedriver >/dev/null; then exit 0; fi; \
+	  sudo=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  echo "browser: chromedriver is not on PATH; installing Debian's chromium and chromium-driver"; \
+	  set -ex; $$sudo apt-get update -qq; $$sudo apt-get install -y --no-install-recommends chromium chromium-driver
 
 # Heavier end-to-end tests (hours on 2 cores): every preset's CPU twin end to end, the container builds, the
 # cluster paths; some build .venv-vllm (about 7 GB). PYTEST_ARGS="-k pixelis" runs one twin.
