@@ -6,6 +6,9 @@
 - the lock closure check catches a missing or mismatched dependency;
 - every grader a preset's reward path imports (math-verify, MathRuler, the judge's openai client...) is in the lock
   of each image that scores that preset: tests/grader_cases.py's cases, scored here, name what they import;
+- the eval image serves (`loupe serve`, docs/containers.md "Serving"): both its locks declare the server's packages,
+  its Dockerfile ships the `loupe` command and exposes serve's port, and the server answers a chat completion
+  here with every package missing from those locks made unimportable;
 - `loupe stage` builds the container command a local run's outputs need (mounts, user, variables, GPUs) and
   really execs it (a recording stand-in for podman/docker on PATH), or the stage itself when run locally.
 The builds, the runs inside the images and the lock checks against the index are in test_containers_slow.py.
@@ -238,6 +241,83 @@ def test_every_image_holds_the_graders_its_presets_reach(grader_runs, reached):
         everywhere = set.intersection(*(set(pins[name]) for name in targets.split()))
         outside = [d for d in there["distributions"] if not any(name in everywhere for name in d.split("|"))]
         assert not outside, f"{case.id} imports {outside} (loupe.rewards itself does), missing from {targets}"
+
+
+# --- serving from the eval image (docs/containers.md, "Serving") -------------------------------------------
+
+SERVE_TARGETS = ("eval-cpu", "eval-gpu")
+SERVE_PACKAGES = ("fastapi", "starlette", "uvicorn", "httpx", "pillow", "pydantic")
+"""What loupe/serve imports itself (FastAPI's app, Starlette's thread pool, uvicorn, httpx for image URLs, Pillow,
+pydantic), each to be named by the eval image's inputs, not only reached through mlflow-skinny or openai."""
+
+
+def test_eval_image_locks_declare_what_serving_needs():
+    for name in SERVE_TARGETS:
+        target = locks.TARGETS[name]
+        pins = locks.read_lock(target.lock)
+        declared = {locks.canonical(root.name) for root in locks._roots(target)}
+        for package in SERVE_PACKAGES:
+            assert package in pins, f"{name}: {package} is not in {target.lock.name}"
+            assert package in declared, f"{name}: {package} is pinned only as another package's dependency"
+
+
+def test_eval_image_ships_the_loupe_command_and_exposes_serves_port():
+    from loupe.serve.params import ServeParams
+
+    text = (CONTAINERS / "eval" / "Dockerfile").read_text()
+    assert re.findall(r"^EXPOSE (\S+)$", text, re.MULTILINE) == [str(ServeParams().port)]
+    # `loupe` is pyproject's script pipelines.cli:main: the image must install pipelines/, which the build
+    # context (.dockerignore) must let through, and the build checks the command and the server's imports.
+    assert re.search(r"^COPY pipelines /opt/loupe-build/src/pipelines$", text, re.MULTILINE)
+    assert "!pipelines/" in (ROOT / ".dockerignore").read_text().splitlines()
+    assert 'loupe = "pipelines.cli:main"' in (ROOT / "pyproject.toml").read_text()
+    assert "loupe serve --help" in text and "import loupe.serve.main" in text
+    # The stage's entrypoint stays (`loupe stage eval` runs it); serving names `--entrypoint loupe`.
+    assert 'ENTRYPOINT ["python", "-m", "stages.eval"]' in text
+    assert "--entrypoint loupe loupe-eval" in (ROOT / "docs" / "containers.md").read_text()
+
+
+SERVE_CHILD = r"""
+import json, re, sys
+from importlib.metadata import packages_distributions
+
+sys.path.insert(0, "tests")
+allowed = set(json.loads(sys.argv[1]))
+canonical = lambda name: re.sub(r"[-_.]+", "-", name).lower()  # as containers/locks.py names them
+for module, dists in packages_distributions().items():
+    if module not in sys.modules and not any(canonical(d) in allowed for d in dists):
+        sys.modules[module] = None  # `import module` now raises ImportError, as in an image without it
+
+import httpx
+from serve_helpers import ZoomingEngine, question, running, scene
+from loupe.serve.main import build_server
+
+server = build_server(None, "params.yaml", ["serve.max_turns=3"], engine=ZoomingEngine())
+with running(server.app) as url:
+    health = httpx.get(url + "/health", timeout=30)
+    reply = httpx.post(url + "/v1/chat/completions", json={"messages": question(scene("red"))}, timeout=120)
+server.scheduler.close()
+owners = packages_distributions()
+used = sorted({canonical(d) for m in list(sys.modules) if sys.modules[m] is not None
+               for d in owners.get(m.split(".")[0], [])})
+print(json.dumps({"health": health.status_code, "status": reply.status_code, "body": reply.json(), "used": used}))
+"""
+
+
+def test_serving_runs_with_only_the_eval_images_packages():
+    """The server (a scripted engine: the model's own stack, torch and transformers, is the eval stage's) answers
+    a question through uvicorn with every package that is not in both eval locks unimportable, and what it
+    imported is in both: a package loupe/serve needs that the image lacks fails here, not in the image."""
+    pins = [set(locks.read_lock(locks.TARGETS[name].lock)) for name in SERVE_TARGETS]
+    allowed = sorted(set.intersection(*pins) | {"loupe"})
+    result = subprocess.run([sys.executable, "-c", SERVE_CHILD, json.dumps(allowed)], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-4000:]
+    run = json.loads(result.stdout.strip().splitlines()[-1])
+    assert run["health"] == 200 and run["status"] == 200, run["body"]
+    assert run["body"]["object"] == "chat.completion" and run["body"]["choices"][0]["message"]["content"] == "red"
+    assert {"fastapi", "starlette", "uvicorn", "pydantic", "pillow"} <= set(run["used"])
+    assert set(run["used"]) <= set(allowed), sorted(set(run["used"]) - set(allowed))
 
 
 # --- the launcher -------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Slow: the images for real. Build the synth and eval images with podman, run both stages inside them on the
 tiny model, and compare every output with a local run's; build the rl image and score one case per preset in the
 image that scores it (tests/grader_cases.py: the rl image for the RL sections, the eval image for eval), each case
-needing its rule's grader; check every lock file against its package index.
+needing its rule's grader; serve the tiny model from the eval image (`loupe serve`, as docs/containers.md runs it)
+and ask it a question from the host; check every lock file against its package index.
 
     .venv/bin/python -m pytest tests/test_containers_slow.py -m slow -q
 
@@ -12,10 +13,17 @@ to Debian's mirror and PyPI for the base image and the wheels; the builds themse
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import io
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -182,6 +190,98 @@ def test_each_preset_scores_in_the_image_that_scores_it(image, request, tmp_path
         assert set(c.graders) <= set(run["distributions"]), (c.id, c.graders, run["distributions"])
     if image == "rl":
         assert {c.preset for c in cases} == {c.preset for c in grader_cases.CASES}
+
+
+# --- serving from the eval image ------------------------------------------------------------------------------
+
+TINY_MODEL = ROOT / "assets" / "tiny-model"
+SERVE_SETTINGS = {"protocol": {"max_turns": 2}, "rollout": {"max_new_tokens": 16, "device": "cpu", "batch_size": 2},
+                  "serve": {"max_turns": 2}}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def served_from_image(image: str, model: Path, params: Path, run_args: tuple[str, ...] = (),
+                      command: tuple[str, ...] = ("loupe",), timeout: float = 600) -> Iterator[str]:
+    """`loupe serve` in `image` as docs/containers.md runs it (`command`, the image's `loupe`, as entrypoint; model
+    and params mounted read-only; the image's user; the container's port 8000 published, here on the host's
+    loopback only); yields the host's base URL once GET /health answers, and removes the container after."""
+    import httpx
+
+    name = f"loupe-serve-test-{uuid.uuid4().hex[:8]}"
+    port = _free_port()
+    _run(["podman", "run", "--detach", "--name", name, "--publish", f"127.0.0.1:{port}:8000",
+          "--volume", f"{model}:/model:ro", "--volume", f"{params}:/params.yaml:ro", *run_args,
+          "--entrypoint", command[0], image, *command[1:],
+          "serve", "--model", "/model", "--params", "/params.yaml", "--host", "0.0.0.0"])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            running = subprocess.run(["podman", "inspect", "--format", "{{.State.Running}}", name],
+                                     capture_output=True, text=True, check=False).stdout.strip() == "true"
+            if not running or time.monotonic() > deadline:
+                logs = subprocess.run(["podman", "logs", name], capture_output=True, text=True, check=False)
+                why = "exited" if not running else f"did not answer /health in {timeout:.0f} s"
+                pytest.fail(f"loupe serve in {image} {why}:\n{logs.stdout[-3000:]}{logs.stderr[-5000:]}")
+            time.sleep(1)
+        yield url
+    finally:
+        subprocess.run(["podman", "rm", "--force", "--time", "2", name], capture_output=True, check=False)
+
+
+def _png_data_url() -> str:
+    from PIL import Image
+
+    image = Image.new("RGB", (224, 160), (128, 128, 128))
+    image.paste((220, 30, 30), (100, 68, 124, 92))
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def check_serving(url: str) -> None:
+    """/health answers, and a chat completion with an image comes back whole in OpenAI's shape with Loupe's
+    extension (the untrained tiny model's answer itself may well be empty)."""
+    import httpx
+
+    health = httpx.get(url + "/health", timeout=30)
+    assert health.status_code == 200 and health.json()["status"] == "ok" and health.json()["model"] == "model"
+    request = {"model": "model", "max_tokens": 16,
+               "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _png_data_url()}},
+                                                         {"type": "text", "text": "What colour is the square?"}]}]}
+    reply = httpx.post(url + "/v1/chat/completions", json=request, timeout=600)
+    assert reply.status_code == 200, reply.text[:2000]
+    body = reply.json()
+    assert body["object"] == "chat.completion" and body["model"] == "model" and body["id"]
+    (choice,) = body["choices"]
+    assert choice["message"]["role"] == "assistant" and isinstance(choice["message"]["content"], str)
+    assert choice["finish_reason"]
+    assert body["loupe"]["end_reason"] and body["loupe"]["turns"] >= 1
+    usage = body["usage"]
+    assert usage["prompt_tokens"] > 0 and usage["completion_tokens"] > 0
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+def test_the_eval_image_serves_a_model(images, tmp_path):
+    """The eval image serves (docs/containers.md, "Serving"): its `loupe` command runs `loupe serve` on the tiny
+    model mounted read-only, from its own code and stack, as its own non-root user, and answers from the host
+    through the published port."""
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump(SERVE_SETTINGS))
+    params.chmod(0o644)  # read by the image's user (uid 10001)
+    exposed = _run(["podman", "image", "inspect", "--format", "{{json .Config.ExposedPorts}}", "loupe-eval:latest"])
+    assert "8000/tcp" in json.loads(exposed.stdout)
+    with served_from_image("loupe-eval:latest", TINY_MODEL, params) as url:
+        check_serving(url)
 
 
 @pytest.mark.parametrize("name", list(locks.TARGETS))
