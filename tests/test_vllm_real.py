@@ -16,6 +16,7 @@ the tests fail, naming the command. docs/rl.md, "vLLM on CPU", says what runs an
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -221,37 +223,35 @@ def test_eval_stage_on_vllm_matches_the_transformers_engine_greedily(vllm_python
     assert same >= 3, (outputs["vllm"], outputs["transformers"])
 
 
-@pytest.fixture(scope="module")
-def openai_server(vllm_python, model_dir, tmp_path_factory):
-    """vLLM's OpenAI-compatible server on loopback, serving the tiny model; stopped by its process id."""
+def free_port() -> int:
     import socket
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    log = tmp_path_factory.mktemp("vllm_server") / "server.log"
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def server_process(command: list[str], probe: str, log: Path, what: str) -> Iterator[None]:
+    """Run a server from `.venv-vllm` until `probe` answers 200; stopped by its process group's id."""
     with open(log, "w") as sink:
-        proc = subprocess.Popen(
-            [str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name",
-             "tiny", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "4096",
-             "--seed", "0"],
-            stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT, env=vllm_env(), start_new_session=True)
-    base = f"http://127.0.0.1:{port}/v1"
+        proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT, env=vllm_env(),
+                                start_new_session=True)
     deadline = time.monotonic() + 300
     try:
         while True:
             if proc.poll() is not None:
-                pytest.fail(f"vLLM's server exited ({proc.returncode}):\n{log.read_text()[-4000:]}")
+                pytest.fail(f"{what} exited ({proc.returncode}):\n{log.read_text()[-4000:]}")
             try:
-                with urllib.request.urlopen(f"{base}/models", timeout=2) as reply:
+                with urllib.request.urlopen(probe, timeout=2) as reply:
                     if reply.status == 200:
                         break
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                pytest.fail(f"vLLM's server did not answer in 300 s:\n{log.read_text()[-4000:]}")
+                pytest.fail(f"{what} did not answer in 300 s:\n{log.read_text()[-4000:]}")
             time.sleep(1)
-        yield base
+        yield
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -259,6 +259,68 @@ def openai_server(vllm_python, model_dir, tmp_path_factory):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def openai_server(vllm_python, model_dir, tmp_path_factory):
+    """vLLM's OpenAI-compatible server on loopback, serving the tiny model; stopped by its process id."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("vllm_server") / "server.log"
+    base = f"http://127.0.0.1:{port}/v1"
+    command = [str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+               "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+               "--max-model-len", "4096", "--seed", "0"]
+    with server_process(command, f"{base}/models", log, "vLLM's server"):
+        yield base
+
+
+def test_loupe_serve_on_vllm_runs_the_zoom_loop_like_the_transformers_engine(vllm_python, model_dir, tmp_path):
+    """`loupe serve` with `rollout.engine: vllm` (vLLM's CPU build): concurrent requests through vLLM's scheduler,
+    each searched server-side, greedy, answer like the in-process transformers engine's loop."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from openai import OpenAI
+
+    from loupe.config import ProtocolParams
+    from loupe.data.synthetic import SyntheticConfig, generate_tasks
+    from loupe.data.tasks import read_tasks
+    from loupe.models import load_model, load_processor
+    from loupe.protocol import get_protocol
+    from loupe.rollout import run_rollouts
+    from loupe.rollout.hf import TransformersEngine
+    sys.path.insert(0, str(ROOT / "tests"))
+    from serve_helpers import question
+
+    generate_tasks(tmp_path / "tasks", SyntheticConfig(seed=3, train=0, val=0, test=4, canvas_side=(1024, 1100)))
+    records = read_tasks(tmp_path / "tasks" / "test.jsonl")
+    settings = {"protocol": {"max_turns": 3, "max_context_tokens": 4096},
+                "rollout": {"engine": "vllm", "max_new_tokens": 24, "vllm_dtype": "float32"},
+                "serve": {"model_name": "tiny"}}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(settings))
+    port = free_port()
+    command = [str(vllm_python), "-m", "pipelines.cli", "serve", "--model", model_dir, "--params",
+               str(tmp_path / "params.yaml"), "--port", str(port)]
+    with server_process(command, f"http://127.0.0.1:{port}/health", tmp_path / "serve.log", "loupe serve on vLLM"):
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+
+        def ask(record):
+            reply = client.chat.completions.create(model="tiny", messages=question(
+                tmp_path / "tasks" / record.images[0], record.problem))
+            return reply.choices[0].message.content, reply.model_extra["loupe"], reply.usage
+
+        with ThreadPoolExecutor(4) as pool:
+            served = list(pool.map(ask, records))
+    assert "vllm engine" in (tmp_path / "serve.log").read_text()
+    protocol = ProtocolParams(max_turns=3, max_context_tokens=4096)
+    engine = TransformersEngine(load_model(model_dir, device="cpu"), load_processor(model_dir),
+                                get_protocol(protocol.name).stop, temperature=0.0)
+    local = run_rollouts(records, engine, protocol, tmp_path / "tasks", max_new_tokens=24)
+    for (answer, extension, usage), trajectory in zip(served, local):
+        assert usage.completion_tokens > 0 and extension["trajectory"][0]["role"] == "user"
+    same = sum(answer == (t.answer or "") and extension["end_reason"] == t.end_reason
+               for (answer, extension, _), t in zip(served, local))
+    # Greedy decoding of the same float32 weights, as the eval stage's vLLM check allows: ties within noise aside.
+    assert same >= 3, ([(a, e["end_reason"]) for a, e, _ in served], [(t.answer, t.end_reason) for t in local])
 
 
 def test_synth_teacher_writes_trajectories_from_vllms_server(openai_server, tmp_path):
