@@ -7,7 +7,8 @@ given its perception pretraining, zoom tasks are drawn, the oracle writes the co
 fine-tunes, the rl stage runs GRPO with the crop tool, and one eval run scores the base, SFT and RL models on
 the 200 held-out questions with 95% bootstrap intervals. Then the rl stage runs again from the same SFT model
 with one-step overlap on (`rl.overlap`, issue 16) and its model is evaluated alone: it must clear RL's bar
-too. About 18 minutes on 2 cores: marked `learning` (and `slow`), outside the default run; CI runs it as its
+too. Last, `loupe serve` on the RL model answers 24 held-out questions asked at once through the `openai` client
+as the in-process loop does, and rightly. About 18 minutes on 2 cores: marked `learning` (and `slow`), outside the default run; CI runs it as its
 own step (`make test-learning`). `LOUPE_LEARNING_SEED`
 sets the seed (top-level `seed` and `data.zoom.seed`; 0 by default). The base model is the committed
 `assets/tiny-model` at every seed, as in `make run` (docs/learning.md, "The base model as a committed
@@ -187,11 +188,64 @@ def assert_zooming_needs_turns(model: dict, depth: int) -> None:
     assert curve[enough] >= curve[short] + 0.10 and curve["8"] >= curve[enough] - 0.02, curve
 
 
+SERVED_QUESTIONS = 24
+"""Held-out questions the trained model answers through `loupe serve` at the end of the learning test."""
+
+
+def assert_the_served_model_searches_as_in_process(work: Path, params_file: Path, depth: int) -> None:
+    """`loupe serve` on the RL model: concurrent requests through the `openai` client give the answers and end
+    reasons of the in-process rollout loop (greedy, both), the answers are right, and each search zooms `depth`
+    times on average (issue 43's parity on a model that searches)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from openai import OpenAI
+
+    from loupe.config import ProtocolParams, RolloutParams, load_section
+    from loupe.data.tasks import read_tasks
+    from loupe.models import load_model, load_processor
+    from loupe.protocol import get_protocol
+    from loupe.rollout import run_rollouts
+    from loupe.rollout.hf import TransformersEngine
+    from loupe.serve.main import build_server, serving_in_thread
+    sys.path.insert(0, str(REPO / "tests"))
+    from serve_helpers import question
+
+    tasks = work / "data" / "tasks"
+    records = read_tasks(tasks / "test.jsonl")[:SERVED_QUESTIONS]
+    server = build_server(work / "rl" / "model", params_file, ["rollout.device=cpu"])
+    try:
+        with serving_in_thread(server.app) as base:
+            client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+
+            def ask(record):
+                reply = client.chat.completions.create(model=server.model, messages=question(
+                    tasks / record.images[0], record.problem))
+                extension = reply.model_extra["loupe"]
+                crops = sum("crop" in turn for turn in extension["trajectory"])
+                return reply.choices[0].message.content, extension["end_reason"], crops
+
+            with ThreadPoolExecutor(8) as pool:
+                served = list(pool.map(ask, records))
+    finally:
+        server.scheduler.close()
+    protocol = load_section(ProtocolParams, "protocol", params_file)
+    rollout = load_section(RolloutParams, "rollout", params_file)
+    model = work / "rl" / "model"
+    engine = TransformersEngine(load_model(model, device="cpu"), load_processor(model), get_protocol(protocol.name).stop,
+                                temperature=0.0, batch_size=rollout.batch_size)
+    local = run_rollouts(records, engine, protocol, tasks, max_new_tokens=rollout.max_new_tokens)
+    assert [(answer, end) for answer, end, _ in served] == [(t.answer or "", t.end_reason) for t in local]
+    right = sum(answer.strip().lower() == record.solution for (answer, _, _), record in zip(served, records))
+    assert right >= 0.8 * len(records), served
+    assert sum(crops for _, _, crops in served) >= depth * len(records) * 0.9, served
+
+
 @pytest.mark.slow
 @pytest.mark.learning
 def test_sft_then_rl_make_the_tiny_model_better_on_held_out_questions(tmp_path):
     params, work, env = run_default_pipeline(tmp_path, int(os.environ.get("LOUPE_LEARNING_SEED", "0")))
     _, _, assert_beats_sft = assert_the_verdict(work, task_depth(params))
+    assert_the_served_model_searches_as_in_process(work, tmp_path / "params.yaml", task_depth(params))
     # The same RL stage with one-step overlap (rl.overlap, issue 16), from the same SFT model: each step after
     # the first trains on a batch sampled with the weights of one update before. It must clear the same bar.
     overlap_rl = _rl_with_overlap(params, tmp_path, work, env)

@@ -109,3 +109,18 @@ def test_the_eval_stage_through_the_server_scores_what_it_scores_in_process(task
         answers[name] = [(row["doc_id"], row.get("answer"), row.get("end_reason"), row.get("num_turns")) for row in rows]
     assert len(answers["local"]) == QUESTIONS
     assert answers["remote"] == answers["local"]
+
+
+def test_the_load_benchmark_runs_and_checks_its_answers(tasks, tmp_path, params_file):
+    """benchmarks/serve_load.py at a tiny size: both phases, the answers compared, the figures written."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import serve_load
+
+    out = tmp_path / "load.json"
+    assert serve_load.main(["--model", str(MODEL), "--tasks", str(tasks), "--params", str(params_file),
+                            "--clients", "3", "--requests", "6", "--out", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    assert figures["identical"] == figures["requests"] == 6 and figures["errors"] == 0
+    assert figures["sequential_s"] > 0 and figures["concurrent_s"] > 0
