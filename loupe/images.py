@@ -43,6 +43,7 @@ Policies, one line each:
 
 from __future__ import annotations
 
+import io
 import re
 from pathlib import Path
 
@@ -75,6 +76,10 @@ _ALPHA_MODES = ("RGBA", "LA", "PA", "RGBa", "La")
 
 class ImageError(ValueError):
     """A source image that cannot be used; the message names the file."""
+
+
+class ImageTooLarge(ImageError):
+    """An image whose header gives more pixels than the limit: refused before it is decoded."""
 
 
 def image_cell(value: object) -> bytes | str | None:
@@ -161,8 +166,17 @@ def open_image(
         raise ImageError(f"{path}: cannot access the image file ({err.strerror})") from None
     if not exists:
         raise ImageError(f"{path}: image file not found")
+    return _decode(path, path, max_pixels)
+
+
+def open_image_bytes(data: bytes, name: str, max_pixels: int = DEFAULT_MAX_DECODE_PIXELS) -> Image.Image:
+    """`open_image` for an image held in memory (an upload to `loupe serve`); errors name it `name`."""
+    return _decode(io.BytesIO(data), name, max_pixels)
+
+
+def _decode(source: Path | io.BytesIO, path: Path | str, max_pixels: int) -> Image.Image:
     try:
-        with Image.open(path, formats=IMAGE_FORMATS) as img:
+        with Image.open(source, formats=IMAGE_FORMATS) as img:
             _check_header_size(path, img.size, max_pixels)
             img.load()
             ImageOps.exif_transpose(img, in_place=True)
@@ -183,11 +197,11 @@ def open_image(
         raise ImageError(f"{path}: corrupt, truncated or unsupported image ({detail})") from None
 
 
-def _check_header_size(path: Path, size: tuple[int, int], max_pixels: int) -> None:
+def _check_header_size(path: Path | str, size: tuple[int, int], max_pixels: int) -> None:
     """Refuse, from the header alone, sizes that are bombs, empty, or too elongated for the processor."""
     width, height = size
     if width * height > max_pixels:
-        raise ImageError(
+        raise ImageTooLarge(
             f"{path}: image is {width}x{height} = {width * height:,} pixels, over the limit of {max_pixels:,} "
             "(a decompression bomb, or raise max_decode_pixels)"
         )

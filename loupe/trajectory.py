@@ -55,7 +55,8 @@ class Turn:
     """Why the turn failed: a format error on an assistant turn, a tool error on the user turn after it."""
     crop: dict[str, Any] | None = None
     """Observation turns: {'source': name, 'source_image': index, 'box_px': [x0, y0, x1, y1] on the source,
-    'region_px': [x0, y0, x1, y1] on the original (the pixels cut), 'size': [w, h], 'observation': N}."""
+    'region_px': [x0, y0, x1, y1] on its base (the pixels cut: the original, or observation `base` when
+    that is an image of its own, such as a rotated view), 'size': [w, h], 'observation': N, 'base': 0 or N}."""
     tool: dict[str, Any] | None = None
     """Observation turns of a visual operation other than the crop (`loupe.visual_ops`): {'tool': name,
     'observations': [N, ...] (the observations its images became), 'text': what it said, ...its record}."""

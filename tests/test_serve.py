@@ -281,3 +281,83 @@ def test_one_turn_mode_returns_the_next_turn_only(serve):
     odd = {"messages": question(scene("red")) + [{"role": "user", "content": "again"}], "loupe": {"loop": False}}
     refused = httpx.post(url + "/v1/chat/completions", json=odd, timeout=30)
     assert refused.status_code == 400 and "alternate" in refused.json()["error"]["message"]
+
+
+def test_a_search_that_fails_after_a_turn_fails_alone(serve):
+    class BrokenCrop(ZoomingEngine):
+        def add_user_turn(self, state, text, images):
+            if state.get("poison"):
+                raise RuntimeError("the processor failed (simulated)")
+            super().add_user_turn(state, text, images)
+
+        def begin(self, system, question, images):
+            state = super().begin(system, question, images)
+            state["poison"] = "poison" in question
+            return state
+
+    url, server = serve(BrokenCrop())
+    failed = httpx.post(url + "/v1/chat/completions", json={"messages": question(scene("red"), "poison?")}, timeout=30)
+    assert failed.status_code == 500 and "processor failed" in failed.json()["error"]["message"]
+    assert httpx.get(url + "/health").json()["status"] == "ok"
+    ok = httpx.post(url + "/v1/chat/completions", json={"messages": question(scene("red"))}, timeout=30)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "red"
+
+
+def test_an_engine_thread_that_dies_fails_everyone_and_says_so(serve):
+    class Fatal(BaseException):
+        """Not an Exception: what no per-request handler catches (a bug, an interpreter-level error)."""
+
+    class Dying(ZoomingEngine):
+        def generate(self, states, max_new_tokens):
+            raise Fatal("the engine's thread cannot go on (simulated)")
+
+    url, server = serve(Dying())
+    failed = httpx.post(url + "/v1/chat/completions", json={"messages": question(scene("red"))}, timeout=30)
+    assert failed.status_code == 500 and "engine stopped" in failed.json()["error"]["message"]
+    health = httpx.get(url + "/health")
+    assert health.status_code == 503 and "simulated" in health.json()["error"]
+    refused = httpx.post(url + "/v1/chat/completions", json={"messages": question(scene("red"))}, timeout=30)
+    assert refused.status_code == 503 and "engine has stopped" in refused.json()["error"]["message"]
+
+
+def test_an_upright_picture_is_what_the_model_sees_and_the_boxes_land_on(serve):
+    url, server = serve()
+    picture = scene("green", (900, 700)).rotate(90, expand=True)  # stored sideways ...
+    exif = Image.Exif()
+    exif[0x0112] = 8  # ... with the EXIF orientation that stands it up again
+    buffer = io.BytesIO()
+    picture.save(buffer, format="JPEG", exif=exif, quality=95)
+    reply = httpx.post(url + "/v1/chat/completions", json={"messages": question(buffer.getvalue())}, timeout=30).json()
+    assert reply["choices"][0]["message"]["content"] == "green"
+    first = next(turn["crop"] for turn in reply["loupe"]["trajectory"] if "crop" in turn)
+    assert first["region_px"][2] <= 900 and first["region_px"][3] <= 700  # cut from the 900x700 upright picture
+
+
+def test_what_a_client_running_its_own_loop_sends_is_accepted(serve):
+    url, server = serve()
+    crops = [{"type": "image_url", "image_url": {"url": data_url(scene("red", (112, 112)))}}]
+    messages = [{"role": "system", "content": "S"}] + question(scene("red"))
+    for n in range(5):  # five crops so far: six images in the request, within protocol.max_images
+        messages += [{"role": "assistant", "content": '<grounding>{"bbox_2d": [0, 0, 1, 1]}</grounding>'},
+                     {"role": "user", "content": crops + [{"type": "text", "text": f"Observation {n + 1}"}]}]
+    body = {"messages": messages, "loupe": {"loop": False}, "top_k": 0, "stop": ["</grounding>"]}
+    assert httpx.post(url + "/v1/chat/completions", json=body, timeout=30).status_code == 200
+    other_k = httpx.post(url + "/v1/chat/completions", json={**body, "top_k": 5}, timeout=30)
+    assert other_k.status_code == 400 and "rollout.top_k" in other_k.json()["error"]["message"]
+    literal = [{"role": "user", "content": [{"type": "text", "text": "a <image> here"}]}]
+    refused = httpx.post(url + "/v1/chat/completions", json={"messages": literal, "loupe": {"loop": False}})
+    assert refused.status_code == 400 and "image_url parts" in refused.json()["error"]["message"]
+
+
+def test_a_body_that_is_not_json_is_refused(serve):
+    url, server = serve()
+    form = httpx.post(url + "/v1/chat/completions", content=b"messages=hi", headers={"content-type": "text/plain"})
+    assert form.status_code == 415 and "application/json" in form.json()["error"]["message"]
+
+
+def test_without_the_trajectory_the_reply_still_gives_the_last_turn(serve):
+    url, server = serve()
+    body = {"messages": question(scene("blue")), "loupe": {"trajectory": False}}
+    reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=30).json()
+    assert "trajectory" not in reply["loupe"] and reply["loupe"]["turns"] == 3
+    assert reply["choices"][0]["message"]["reasoning_content"].endswith("<answer>blue</answer>")

@@ -124,3 +124,30 @@ def test_the_load_benchmark_runs_and_checks_its_answers(tasks, tmp_path, params_
     figures = json.loads(out.read_text())
     assert figures["identical"] == figures["requests"] == 6 and figures["errors"] == 0
     assert figures["sequential_s"] > 0 and figures["concurrent_s"] > 0
+
+
+def test_a_discarded_turn_leaves_the_running_batch_and_the_others_unchanged(tasks):
+    """TransformersEngine.discard: a row dropped mid-decode is never reported, and the rows left decode the
+    tokens they decode without it (greedy)."""
+    from PIL import Image
+
+    processor, model = load_processor(MODEL), load_model(MODEL, device="cpu")
+    records = read_tasks(tasks / "test.jsonl")[:3]
+
+    def generations(drop: bool) -> dict[int, str]:
+        engine = TransformersEngine(model, processor, (), temperature=0.0, batch_size=8)
+        tickets = []
+        for record, budget in zip(records, (2, 48, 48)):  # the first ends at once, the others decode on
+            image = Image.open(tasks / record.images[0]).convert("RGB").resize((112, 112))
+            tickets.append(engine.submit(engine.begin("S", "<image>\n" + record.problem, [image]), budget))
+        finished = dict(engine.poll())  # the three rows were admitted together; at least one has ended
+        if drop:
+            assert tickets[0] in finished and len(finished) < len(tickets)
+            victim = tickets[1]
+            engine.discard({victim})
+        while len(finished) < len(tickets) - int(drop):
+            finished.update(engine.poll())
+        return {tickets.index(ticket): generation.text for ticket, generation in finished.items()}
+
+    whole, dropped = generations(False), generations(True)
+    assert len(dropped) == 2 and all(dropped[i] == whole[i] for i in dropped)

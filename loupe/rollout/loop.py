@@ -109,7 +109,8 @@ class Rollout:
                 meta={"engine": engine.name},
             )
             question = protocol.question_text(prompt_task)
-            if frames or images is not None:  # written beside the trajectory as the model saw them, like crops
+            if frames or images is not None:  # kept in the trajectory (written beside it, like crops): frames
+                # as the model saw them, uploads as they came
                 indices = [trajectory.add_image(image) for image in (shown if frames else originals)]
             else:
                 # Absolute but not resolved: a hub-cache file is a symlink to a blob with no image suffix.
@@ -277,7 +278,7 @@ def _show_result(
         text = protocol.observation_turn(number, result.image.size)
         record = {"crop": {"source": result.source, "source_image": source_index, "box_px": list(result.box_px),
                            "region_px": list(result.region_px), "size": list(result.image.size),
-                           "observation": number}}
+                           "observation": number, "base": result.base}}
     else:
         if len(trajectory.images) + len(result.images) > protocol_params.max_images:
             return "over_turn"

@@ -100,27 +100,33 @@ def create_app(scheduler: Scheduler, params: ServeParams, model: str, api_key: s
         sent = request.headers.get("authorization", "")
         return sent.startswith("Bearer ") and hmac.compare_digest(sent[7:].encode(), api_key.encode())
 
-    @app.middleware("http")
-    async def check_key(request: Request, call_next: Any) -> Any:
-        if request.url.path.startswith("/v1/") and not authorized(request):
-            return JSONResponse(error_body("a valid API key is needed: Authorization: Bearer <key>",
-                                           "authentication_error", code="invalid_api_key"), status_code=401)
-        return await call_next(request)
+    def unauthorized() -> JSONResponse:
+        # Checked in each /v1 route, not in an `@app.middleware("http")`: Starlette's BaseHTTPMiddleware wraps
+        # `receive`, and a request behind it no longer sees its client disconnect (`is_disconnected`).
+        return JSONResponse(error_body("a valid API key is needed: Authorization: Bearer <key>",
+                                       "authentication_error", code="invalid_api_key"), status_code=401)
 
     @app.get("/", response_class=HTMLResponse)
     async def index() -> str:
         return page
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
+    async def health() -> Any:
+        if not scheduler.alive:
+            return JSONResponse({"status": "failed", "model": model, "error": scheduler.failure or "stopped"},
+                                status_code=503)
         return {"status": "ok", "model": model, "needs_key": bool(api_key), **scheduler.load()}
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def models(request: Request) -> Any:
+        if not authorized(request):
+            return unauthorized()
         return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "loupe"}]}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
+        if not authorized(request):
+            return unauthorized()
         try:
             job, body = await _read(request)
         except RequestError as err:
@@ -136,6 +142,11 @@ def create_app(scheduler: Scheduler, params: ServeParams, model: str, api_key: s
         return await _whole(request, job, body)
 
     async def _read(request: Request) -> tuple[Job, ChatRequest]:
+        # JSON only: a browser's form post from another site (text/plain, no CORS preflight) cannot start work
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if kind != "application/json":
+            raise RequestError(415, f"the body must be JSON (Content-Type: application/json), got {kind or 'none'}",
+                               code="unsupported_media_type")
         raw = await read_body(request, params.max_request_bytes)
         try:
             body = ChatRequest.model_validate_json(raw)
@@ -145,16 +156,24 @@ def create_app(scheduler: Scheduler, params: ServeParams, model: str, api_key: s
         if body.model is not None and body.model != model:
             raise RequestError(404, f"model {body.model!r} is not served here; this server serves {model!r}",
                                "model", code="model_not_found")
-        for name, served in (("temperature", params.temperature), ("top_p", params.top_p)):
+        served_top_k = getattr(scheduler.engine, "top_k", 0) or 0
+        for name, served, setting in (("temperature", params.temperature, "serve.temperature"),
+                                      ("top_p", params.top_p, "serve.top_p"), ("top_k", served_top_k, "rollout.top_k")):
             asked = getattr(body, name)
             if asked is not None and abs(asked - served) > 1e-9:
                 raise RequestError(400, f"{name} {asked} differs from the server's {served}: requests share one "
-                                        f"batch, so it is set for the server (serve.{name})", name)
+                                        f"batch, so it is set for the server ({setting})", name)
+        if not scheduler.alive:
+            raise RequestError(503, f"the engine has stopped ({scheduler.failure}); restart the server",
+                               code="engine_stopped")
+        if not scheduler.has_room():  # before decoding: a full server spends nothing on what it will refuse
+            raise RequestError(503, f"the server is full: {scheduler.describe_load()}; retry shortly",
+                               code="server_busy")
         asked_stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
-        extra = sorted(set(asked_stops) - set(getattr(scheduler.engine, "stop", ())))
+        extra = sorted(set(asked_stops) - set(scheduler.rollout.protocol.stop_strings()))
         if extra:
             raise RequestError(400, f"stop: {extra} are not the protocol's stop strings; the server stops at "
-                                    f"{list(getattr(scheduler.engine, 'stop', ()))} only", "stop")
+                                    f"{list(scheduler.rollout.protocol.stop_strings())} only", "stop")
         budget = min(scheduler.max_new_tokens, body.max_completion_tokens or body.max_tokens or scheduler.max_new_tokens)
         if body.loupe.loop:
             work: Any = await run_in_threadpool(read_question, body, params)
@@ -162,11 +181,14 @@ def create_app(scheduler: Scheduler, params: ServeParams, model: str, api_key: s
             if body.loupe.options is not None:
                 raise RequestError(400, "loupe.options: only the zoom loop formats options (loupe.loop: true)",
                                    "loupe.options")
-            work = await run_in_threadpool(read_dialogue, body, params, scheduler.rollout.protocol.system_prompt())
+            work = await run_in_threadpool(read_dialogue, body, params, scheduler.rollout.protocol.system_prompt(),
+                                           scheduler.protocol.max_images)
         return Job(work, budget, body.loupe.options), body
 
     async def _whole(request: Request, job: Job, body: ChatRequest) -> Any:
         turns: list[dict[str, Any]] = []
+        last_turn: str | None = None
+        seen = 0
         while True:
             try:
                 kind, data = await asyncio.wait_for(job.events.get(), DISCONNECT_CHECK_S)
@@ -176,13 +198,17 @@ def create_app(scheduler: Scheduler, params: ServeParams, model: str, api_key: s
                     return JSONResponse(error_body("client went away"), status_code=499)
                 continue
             if kind == "turns":
-                turns += [turn_json(record, job, body.loupe.crops, first=not turns and i == 0)
-                          for i, record in enumerate(data)]
+                for record in data:
+                    if record.role == "assistant":
+                        last_turn = record.text
+                    if body.loupe.trajectory:
+                        turns.append(turn_json(record, job, body.loupe.crops, first=seen == 0))
+                    seen += 1
             elif kind == "error":
                 return _refusal(data)
             else:
-                wanted = turns if body.loupe.trajectory else None
-                return JSONResponse(completion(job, model, data, wanted if job.zoom_loop else None))
+                wanted = turns if body.loupe.trajectory and job.zoom_loop else None
+                return JSONResponse(completion(job, model, data, wanted, last_turn))
 
     async def _stream(job: Job, body: ChatRequest, include_usage: bool) -> AsyncIterator[str]:
         sent_turns = 0
@@ -192,14 +218,18 @@ def create_app(scheduler: Scheduler, params: ServeParams, model: str, api_key: s
                 kind, data = await job.events.get()
                 if kind == "turns":
                     for record in data:
-                        turn = turn_json(record, job, body.loupe.crops, first=sent_turns == 0)
+                        extension = None
+                        if body.loupe.trajectory:
+                            extension = {"turn": turn_json(record, job, body.loupe.crops, first=sent_turns == 0),
+                                         "original_size": job.original_size}
                         sent_turns += 1
-                        delta = {"reasoning_content": record.text} if record.role == "assistant" else {}
-                        extension = {"turn": turn, "original_size": job.original_size} if body.loupe.trajectory else None
-                        yield chunk(job, model, delta, extension=extension)
+                        if record.role == "assistant" or extension is not None:
+                            delta = {"reasoning_content": record.text} if record.role == "assistant" else {}
+                            yield chunk(job, model, delta, extension=extension)
                 elif kind == "error":
                     err: RequestError = data
-                    yield f"data: {json.dumps(error_body(err.message, 'server_error', err.param, err.code))}\n\n"
+                    kind_ = "invalid_request_error" if err.status < 500 else "server_error"
+                    yield f"data: {json.dumps(error_body(err.message, kind_, err.param, err.code))}\n\n"
                     break
                 else:
                     outcome: Outcome = data

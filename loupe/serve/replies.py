@@ -29,15 +29,16 @@ def png_data_url(image: Image.Image) -> str:
 
 
 def turn_json(record: TurnRecord, job: Job, crops: bool, first: bool) -> dict[str, Any]:
-    """One turn for the client. A crop's `box` is its region on the original as fractions of its width and
-    height (what a page draws on the upload); `region_px` the same in the original's pixels."""
+    """One turn for the client. A crop's `region_px` is the pixels cut from its base (the original, or observation
+    `base` when that is an image of its own, such as a rotated view); on the original, `box` is the same region
+    as fractions of its width and height (what a page draws on the upload)."""
     out: dict[str, Any] = {"role": record.role, "text": record.text, "tokens": record.tokens}
     for key in ("action", "call", "error"):
         if getattr(record, key) is not None:
             out[key] = getattr(record, key)
     if record.crop is not None:
         crop = dict(record.crop)
-        if job.original_size is not None and record.crop.get("source_image", 0) is not None:
+        if job.original_size is not None and crop.get("base", 0) == 0:  # region_px is on the original
             width, height = job.original_size
             x0, y0, x1, y1 = crop["region_px"]
             crop["box"] = [round(x0 / width, 4), round(y0 / height, 4), round(x1 / width, 4), round(y1 / height, 4)]
@@ -60,8 +61,10 @@ def finish_reason(job: Job, outcome: Outcome) -> str:
     return "length" if outcome.finish == "length" else "stop"
 
 
-def completion(job: Job, model: str, outcome: Outcome, turns: list[dict[str, Any]] | None) -> dict[str, Any]:
-    """A whole reply: the answer as the message's content; for the loop, the final turn as its reasoning."""
+def completion(job: Job, model: str, outcome: Outcome, turns: list[dict[str, Any]] | None,
+               last_turn: str | None = None) -> dict[str, Any]:
+    """A whole reply: the answer as the message's content; for the loop, the final turn (`last_turn`) as its
+    reasoning, and the search (`turns`) when the request wants it."""
     message: dict[str, Any] = {"role": "assistant", "content": outcome.text}
     body: dict[str, Any] = {
         "id": job.id, "object": "chat.completion", "created": job.created, "model": model,
@@ -69,8 +72,7 @@ def completion(job: Job, model: str, outcome: Outcome, turns: list[dict[str, Any
         "usage": usage(outcome),
     }
     if job.zoom_loop:
-        said = [turn["text"] for turn in turns or [] if turn["role"] == "assistant"]
-        message["reasoning_content"] = said[-1] if said else None
+        message["reasoning_content"] = last_turn
         body["loupe"] = {"end_reason": outcome.finish, "turns": outcome.turns}
         if turns is not None:
             body["loupe"]["trajectory"] = turns

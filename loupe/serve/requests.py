@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import base64
 import binascii
-import io
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field
 
+from loupe.images import ImageError, ImageTooLarge, open_image_bytes
 from loupe.protocol import IMAGE_PLACEHOLDER
 from loupe.serve.params import ServeParams
 
@@ -102,6 +102,9 @@ class ChatRequest(_Strict):
     """Accepted when it asks for no stop string beyond the protocol's (a tool call's closing tag), which the
     engine stops at anyway; a client running the loop itself sends those."""
     n: int | None = Field(None, ge=1, le=1)
+    top_k: int | None = Field(None, ge=0)
+    """Not OpenAI's, but vLLM's and Loupe's `openai` engine's: accepted when it is the server's
+    (`rollout.top_k`), like temperature."""
     seed: int | None = None
     user: str | None = None
     loupe: LoupeOptions = Field(default_factory=LoupeOptions)
@@ -124,7 +127,9 @@ class Question:
 
 
 def decode_image(url: str, params: ServeParams, where: str) -> Image.Image:
-    """The RGB image an `image_url` holds; RequestError (400, or 413 past a size limit) naming `where`."""
+    """The RGB image an `image_url` holds, decoded by the rule training and eval decode with
+    (`loupe.images.open_image`: its formats, EXIF orientation, transparency on white, 16-bit scaling, the pixel
+    limit read from the header); RequestError (400, or 413 past a size limit) naming `where`."""
     if url.startswith("data:"):
         header, comma, payload = url.partition(",")
         if not comma or ";base64" not in header:
@@ -144,21 +149,15 @@ def decode_image(url: str, params: ServeParams, where: str) -> Image.Image:
         raise RequestError(400, f"{where}: an image_url must be a data URL (or http(s) when allowed), got "
                                 f"{url[:40]!r}", where)
     try:
-        image = Image.open(io.BytesIO(data))
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError):
-        raise RequestError(400, f"{where}: not an image PIL can read ({len(data)} bytes)", where) from None
-    width, height = image.size
-    if width * height > params.max_image_pixels:
-        raise RequestError(413, f"{where}: the image is {width}x{height} = {width * height} pixels, more than "
-                                f"serve.max_image_pixels ({params.max_image_pixels})", where)
-    if min(width, height) < params.min_image_side:
-        raise RequestError(400, f"{where}: the image is {width}x{height}; both sides must be at least "
+        image = open_image_bytes(data, where, params.max_image_pixels)
+    except ImageTooLarge as err:
+        raise RequestError(413, f"{err} (serve.max_image_pixels)", where) from None
+    except ImageError as err:  # not an image, a format outside the training decoder's, truncated, damaged
+        raise RequestError(400, str(err), where) from None
+    if min(image.size) < params.min_image_side:
+        raise RequestError(400, f"{where}: the image is {image.width}x{image.height}; both sides must be at least "
                                 f"{params.min_image_side} pixels", where)
-    try:
-        image.load()
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
-        raise RequestError(400, f"{where}: the image is truncated or damaged ({err})", where) from None
-    return image.convert("RGB")
+    return image
 
 
 def _fetch(url: str, params: ServeParams, where: str) -> bytes:
@@ -187,17 +186,23 @@ def _parts(message: Message) -> list[TextPart | ImagePart]:
     return list(message.content)
 
 
-def _render(message: Message, index: int, params: ServeParams, counted: list[int]) -> tuple[str, list[Image.Image]]:
-    """A message's text with one placeholder where each image was, and its images, decoded."""
+def _render(message: Message, index: int, params: ServeParams, counted: list[int], limit: int,
+            limit_name: str) -> tuple[str, list[Image.Image]]:
+    """A message's text with one placeholder where each image was, and its images, decoded; at most `limit`
+    images counted over the request (`counted`)."""
     text, images = [], []
     for number, part in enumerate(_parts(message)):
         if isinstance(part, TextPart):
+            if IMAGE_PLACEHOLDER in part.text:
+                raise RequestError(400, f"messages[{index}].content[{number}]: the text holds {IMAGE_PLACEHOLDER!r}, "
+                                        "which marks an image; send images as image_url parts",
+                                   f"messages[{index}].content")
             text.append(part.text)
             continue
         counted[0] += 1
-        if counted[0] > params.max_images_per_request:
-            raise RequestError(400, f"messages[{index}]: more than serve.max_images_per_request "
-                                    f"({params.max_images_per_request}) images in the request", "messages")
+        if counted[0] > limit:
+            raise RequestError(400, f"messages[{index}]: more than {limit_name} ({limit}) images in the request",
+                               "messages")
         images.append(decode_image(part.image_url.url, params, f"messages[{index}].content[{number}].image_url"))
         text.append(IMAGE_PLACEHOLDER)
     return "".join(text), images
@@ -211,7 +216,8 @@ def read_question(request: ChatRequest, params: ServeParams) -> Question:
     index = users[-1]
     images: list[Image.Image] = []
     counted = [0]
-    text, images = _render(request.messages[index], index, params, counted)
+    text, images = _render(request.messages[index], index, params, counted, params.max_images_per_request,
+                           "serve.max_images_per_request")
     question = text.replace(IMAGE_PLACEHOLDER, " ").strip()
     if not images:
         raise RequestError(400, f"messages[{index}]: the question has no image; add an image_url part (a data URL)",
@@ -221,9 +227,10 @@ def read_question(request: ChatRequest, params: ServeParams) -> Question:
     return Question(question, images)
 
 
-def read_dialogue(request: ChatRequest, params: ServeParams, default_system: str) -> Dialogue:
+def read_dialogue(request: ChatRequest, params: ServeParams, default_system: str, max_images: int) -> Dialogue:
     """A one-turn request's dialogue: an optional system message first, then user and assistant turns that
-    alternate, starting and ending with a user turn."""
+    alternate, starting and ending with a user turn. Its images are the question's and every crop so far, so
+    they are bounded by the protocol's `max_images`, as a dialogue in training is."""
     messages = list(request.messages)
     system = default_system
     if messages[0].role in ("system", "developer"):
@@ -239,7 +246,7 @@ def read_dialogue(request: ChatRequest, params: ServeParams, default_system: str
             raise RequestError(400, f"messages[{index}]: expected a {expected} message here (after an optional "
                                     f"system message, user and assistant turns alternate), got {message.role}",
                                f"messages[{index}].role")
-        text, images = _render(message, index, params, counted)
+        text, images = _render(message, index, params, counted, max_images, "protocol.max_images")
         if message.role == "assistant" and images:
             raise RequestError(400, f"messages[{index}]: an assistant message cannot hold images",
                                f"messages[{index}].content")

@@ -31,6 +31,7 @@ from loupe.data.tasks import TaskRecord
 from loupe.rollout.engine import Engine, Generation
 from loupe.rollout.loop import Rollout, _Live
 from loupe.serve.requests import Dialogue, Question, RequestError
+from loupe.tools import fit_to_budget
 from loupe.trajectory import Trajectory, Turn
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,10 @@ class Job:
         return isinstance(self.work, Question)
 
     def emit(self, kind: str, data: Any = None) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, data))
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, data))
+        except RuntimeError:  # the event loop has closed (the server is shutting down): nobody is listening
+            pass
 
 
 def turn_record(turn: Turn, trajectory: Trajectory) -> TurnRecord:
@@ -117,6 +121,8 @@ class Scheduler:
         self._waiting: dict[int, tuple[Job, _Live | None]] = {}
         self._wake = threading.Condition()
         self._closed = False
+        self.failure: str | None = None
+        """Why the engine's thread stopped, if it did: the server then refuses requests (503) and /health says so."""
         self.served = 0
         """Jobs that ended with an outcome."""
         self._thread = threading.Thread(target=self._run, name="loupe-serve-engine", daemon=True)
@@ -133,11 +139,22 @@ class Scheduler:
         self._thread.join(timeout=30)
         self.engine.close()
 
+    def has_room(self) -> bool:
+        """Whether a request now would be queued (a check before its images are decoded; `submit` decides)."""
+        with self._wake:
+            return self.alive and len(self._inbox) + len(self._running) < self.max_running + self.max_queued
+
+    def describe_load(self) -> str:
+        with self._wake:
+            return (f"{len(self._running)} requests running and {len(self._inbox)} queued "
+                    f"(serve.max_running {self.max_running}, serve.max_queued {self.max_queued})")
+
     def submit(self, job: Job) -> None:
         """Queue a job; QueueFull when the running slots and the inbox are all taken."""
         with self._wake:
-            if self._closed:
-                raise QueueFull("the server is shutting down")
+            if self._closed or self.failure is not None:
+                raise QueueFull(f"the engine has stopped ({self.failure})" if self.failure else
+                                "the server is shutting down")
             if len(self._inbox) + len(self._running) >= self.max_running + self.max_queued:
                 raise QueueFull(f"{len(self._running)} requests running and {len(self._inbox)} queued "
                                 f"(serve.max_running {self.max_running}, serve.max_queued {self.max_queued})")
@@ -152,7 +169,11 @@ class Scheduler:
                 self._inbox.remove(job)
             self._wake.notify()
 
-    def load(self) -> dict[str, int]:
+    @property
+    def alive(self) -> bool:
+        return self.failure is None and self._thread.is_alive()
+
+    def load(self) -> dict[str, Any]:
         with self._wake:
             return {"running": len(self._running), "queued": len(self._inbox), "served": self.served,
                     "max_running": self.max_running, "max_queued": self.max_queued}
@@ -160,6 +181,21 @@ class Scheduler:
     # --- the engine's thread -----------------------------------------------------------------------------
 
     def _run(self) -> None:
+        """The engine's loop, guarded: should it fail outside any one request, every request waiting or running
+        gets the error, later ones a 503, and /health reports the failure, rather than all of them hanging."""
+        try:
+            self._loop()
+        except BaseException as err:
+            log.exception("the engine's thread failed")
+            self.failure = f"{type(err).__name__}: {err}"
+            with self._wake:
+                jobs = [job for job, _ in self._waiting.values()] + list(self._inbox) + list(self._running)
+                self._inbox.clear()
+                self._waiting = {}
+            for job in dict.fromkeys(jobs):
+                self._end(job, "error", RequestError(500, f"the engine stopped: {self.failure}", code="engine_error"))
+
+    def _loop(self) -> None:
         while True:
             with self._wake:
                 while not self._closed and not self._inbox and not self._waiting:
@@ -181,6 +217,8 @@ class Scheduler:
                     self._start(job)
                 except RequestError as err:
                     self._end(job, "error", err)
+                except ValueError as err:  # what the processor refuses in the request's own text or images
+                    self._end(job, "error", RequestError(400, f"the model's processor refused the request: {err}"))
                 except Exception as err:  # a request the engine cannot take fails alone
                     log.exception("request %s could not start", job.id)
                     self._end(job, "error", RequestError(500, f"the engine could not start the request: {err}",
@@ -199,8 +237,14 @@ class Scheduler:
                 continue
             for ticket, generation in finished:
                 entry = self._waiting.pop(ticket, None)
-                if entry is not None:
+                if entry is None:
+                    continue
+                try:
                     self._take(ticket, entry[0], entry[1], generation)
+                except Exception as err:  # one search's next step failed (its crop, its next prompt): it alone ends
+                    log.exception("request %s failed after a turn", entry[0].id)
+                    self._end(entry[0], "error", RequestError(500, f"the search failed after a turn: {err}",
+                                                              code="engine_error"))
 
     def _end(self, job: Job, kind: str, data: Any) -> None:
         with self._wake:
@@ -230,9 +274,13 @@ class Scheduler:
 
     def _start_turn(self, job: Job, dialogue: Dialogue) -> None:
         engine = self.engine
-        role, text, images = dialogue.turns[0]
+        # Within the protocol's pixel budget, as every image the model saw in training was; an image the client
+        # already fitted (Loupe's own `openai` engine sends them so) comes through unchanged.
+        turns = [(role, text, [fit_to_budget(image, self.protocol.budget) for image in images])
+                 for role, text, images in dialogue.turns]
+        role, text, images = turns[0]
         state = engine.begin(dialogue.system, text, images)
-        for role, text, images in dialogue.turns[1:]:
+        for role, text, images in turns[1:]:
             if role == "assistant":
                 engine.add_assistant_text(state, text)
             else:
