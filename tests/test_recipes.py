@@ -11,20 +11,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from loupe.config import ModelParams, ParamsError, ProtocolParams, RolloutParams, parse_section, read_params_file
+from loupe.config import ParamsError, parse_section, read_params_file
 from loupe.data.families import DataParams
+from pipelines.overrides import SECTIONS  # every section and its model: the table `loupe run` checks with
 from pipelines.params import PipelineParams
 from pipelines.workspace import merged, prepare_workspace, read_recipe, scaled_keys, shaped_stages
-from stages.eval.params import EvalParams
 from stages.rl.params import RLParams
-from stages.sft.params import SftParams
-from stages.synth.params import SynthParams
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = sorted(p for p in (ROOT / "params").glob("*.yaml"))
 RECIPES = ("r1-v", "lmm-r1", "easyr1-geo", "deepeyes", "pixel-reasoner", "mini-o3", "pixelis")
-SECTIONS = {"model": ModelParams, "protocol": ProtocolParams, "rollout": RolloutParams, "data": DataParams,
-            "synth": SynthParams, "sft": SftParams, "rl": RLParams, "eval": EvalParams, "pipeline": PipelineParams}
 
 
 def test_every_recipe_has_a_published_preset_and_a_cpu_twin():
