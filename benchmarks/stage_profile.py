@@ -43,48 +43,49 @@ sys.path.insert(0, str(ROOT))
 
 from pipelines.dvc_runner import stage_environment  # noqa: E402
 
-# Each part: (name, [(file fragment, function name or "*")...]). Order matters: a call matched by an earlier
-# part is not counted again by a later one when nested inside it.
+# Each part: (name, level, [(file fragment, function name or "*")...]). Level-0 parts partition the stage's wall
+# time (what they leave is "other"); level-1 parts break down the level-0 part above them, across every call
+# (the rl stage's rollout details add its validation rollouts' to its training rollouts').
 SFT_PARTS = [
-    ("image processing", [("image_processing", "*"), ("mm_plugin.py", "_preprocess_image"),
-                          ("mm_plugin.py", "_regularize_images")]),
-    ("collation", [("llamafactory/data/collator.py", "__call__")]),
-    ("forward", [("trainer.py", "compute_loss")]),
-    ("backward", [("torch/_tensor.py", "backward"), ("accelerate/accelerator.py", "backward")]),
-    ("optimizer", [("torch/optim/optimizer.py", "wrapper"), ("accelerate/optimizer.py", "step"),
-                   ("trainer.py", "_clip_grad_norm"), ("clip_grad.py", "clip_grad_norm_")]),
-    ("logging and saving", [("trainer.py", "_maybe_log_save_evaluate"), ("trainer.py", "_save_checkpoint"),
-                            ("trainer.py", "save_model")]),
-    ("training loop (all)", [("trainer.py", "_inner_training_loop")]),
+    ("start: imports", 0, [("llamafactory/extras/misc.py", "<module>"), ("llamafactory/hparams/parser.py", "<module>"),
+                           ("llamafactory/train/tuner.py", "<module>")]),
+    ("start: the dataset's tokenisation (images counted)", 0, [("llamafactory/data/loader.py", "get_dataset")]),
+    ("start: model loading", 0, [("llamafactory/model/loader.py", "load_model")]),
+    ("training loop", 0, [("transformers/trainer.py", "_inner_training_loop")]),
+    ("data: collation and image processing", 1, [("llamafactory/data/collator.py", "__call__")]),
+    ("forward", 1, [("transformers/trainer.py", "compute_loss")]),
+    ("backward", 1, [("torch/autograd/__init__.py", "backward")]),
+    ("optimizer (clip and step)", 1, [("torch/optim/optimizer.py", "wrapper"), ("clip_grad.py", "clip_grad_norm_")]),
+    ("logging and saving", 1, [("transformers/trainer.py", "_maybe_log_save_evaluate"),
+                               ("transformers/trainer.py", "_save_checkpoint")]),
 ]
 ENGINE_PARTS = [
-    ("crops and image processing", [("loupe/tools.py", "run_tool"), ("loupe/rollout/hf.py", "_encode"),
-                                    ("loupe/tools.py", "fit_to_budget"), ("loupe/tools.py", "open_image"),
-                                    ("loupe/images.py", "open_image")]),
-    ("prefill", [("loupe/rollout/hf.py", "_prefill"), ("loupe/rollout/hf.py", "_prefill_prompt")]),
-    ("decode", [("loupe/rollout/hf.py", "_decode_step")]),
-    ("sampling and stop checks", [("loupe/rollout/kv_batch.py", "sample"), ("loupe/rollout/hf.py", "_settle")]),
+    ("crops and image processing", 1, [("loupe/tools.py", "run_tool"), ("loupe/rollout/hf.py", "_encode"),
+                                       ("loupe/tools.py", "fit_to_budget"), ("loupe/images.py", "open_image")]),
+    ("prefill", 1, [("loupe/rollout/hf.py", "_prefill"), ("loupe/rollout/hf.py", "_prefill_prompt")]),
+    ("decode (forward passes)", 1, [("loupe/rollout/hf.py", "_decode_step")]),
+    ("sampling and stop checks", 1, [("loupe/rollout/kv_batch.py", "sample"), ("loupe/rollout/hf.py", "_settle")]),
 ]
-RL_PARTS = ENGINE_PARTS + [
-    ("reward", [("loupe/rewards/score.py", "*"), ("stages/rl/rewards.py", "*")]),
-    ("update: image processing", [("stages/rl/batching.py", "pixels"), ("stages/rl/batching.py", "_encode_image"),
-                                  ("image_processing", "*")]),
-    ("update: forward", [("stages/rl/learner.py", "_logprobs"), ("stages/rl/learner.py", "forward_logprobs"),
-                         ("stages/rl/learner.py", "log_probs")]),
-    ("update: backward", [("torch/_tensor.py", "backward")]),
-    ("update: optimizer", [("torch/optim/optimizer.py", "wrapper"), ("clip_grad.py", "clip_grad_norm_")]),
-    ("weight sync", [("loupe/rollout/weight_sync.py", "*")]),
-    ("validation", [("stages/rl/trainer.py", "_validate"), ("stages/rl/trainer.py", "validate")]),
-    ("checkpointing", [("stages/rl/checkpoint", "*"), ("stages/rl/trainer.py", "_save")]),
-    ("rollout (all)", [("loupe/rollout/loop.py", "run_rollouts")]),
-    ("update (all)", [("stages/rl/learner.py", "update"), ("stages/rl/learner.py", "train_step")]),
+RL_PARTS = [
+    ("learner start (policy and reference loaded)", 0, [("stages/rl/learner.py", "__init__")]),
+    ("training rollouts", 0, [("stages/rl/trainer.py", "_rollout_scored")]),
+    ("validation (its rollouts included)", 0, [("stages/rl/trainer.py", "validate")]),
+    *[(f"rollouts, all: {name}", level, patterns) for name, level, patterns in ENGINE_PARTS],
+    ("old and reference log-probs", 0, [("stages/rl/learner.py", "logprobs")]),
+    ("update", 0, [("stages/rl/learner.py", "update")]),
+    ("update and log-probs: image processing (cached)", 1, [("stages/rl/batching.py", "encode")]),
+    ("update and log-probs: forward passes", 1, [("stages/rl/batching.py", "token_logprobs")]),
+    ("update: backward", 1, [("torch/autograd/__init__.py", "backward")]),
+    ("update: optimizer", 1, [("torch/optim/optimizer.py", "wrapper"), ("clip_grad.py", "clip_grad_norm_")]),
+    ("weight sync", 0, [("loupe/rollout/weight_sync.py", "*")]),
+    ("checkpointing", 0, [("stages/rl/checkpoint", "*")]),
 ]
-EVAL_PARTS = ENGINE_PARTS + [
-    ("scoring", [("loupe/rewards/score.py", "*"), ("loupe/sample_metrics.py", "*")]),
-    ("writing (trajectories, viewer, plots)", [("loupe/trajectory.py", "write_trajectories"),
-                                                ("loupe/viewer.py", "*"), ("loupe/plots.py", "*"),
-                                                ("loupe/io.py", "*")]),
-    ("rollout (all)", [("loupe/rollout/loop.py", "run_rollouts")]),
+EVAL_PARTS = [
+    ("rollouts", 0, [("loupe/rollout/loop.py", "run_rollouts")]),
+    *ENGINE_PARTS,
+    ("scoring", 0, [("loupe/rewards/score.py", "*"), ("loupe/sample_metrics.py", "*")]),
+    ("writing (trajectories, viewer, plots)", 0, [("loupe/trajectory.py", "write_trajectories"),
+                                                   ("loupe/viewer.py", "*"), ("loupe/plots.py", "*")]),
 ]
 
 
@@ -93,21 +94,18 @@ def _matches(key: tuple[str, int, str], patterns: list[tuple[str, str]]) -> bool
     return any(fragment in file and (name == "*" or function == name) for fragment, name in patterns)
 
 
-def split(profile: Path, parts: list[tuple[str, list[tuple[str, str]]]]) -> dict[str, float]:
-    """Seconds under each part: the cumulative time of a part's functions, counted at their outermost calls (a
-    function of the part called from within the part adds nothing), and not inside an earlier part."""
+def split(profile: Path, parts: list[tuple[str, int, list[tuple[str, str]]]]) -> dict[str, float]:
+    """Seconds under each part: the cumulative time of its functions, counted where they are entered from outside
+    the part (a function of the part called from within it adds nothing)."""
     stats = pstats.Stats(str(profile)).stats  # key -> (calls, primitive calls, total, cumulative, callers)
     out: dict[str, float] = {}
-    for index, (name, patterns) in enumerate(parts):
-        earlier = [p for _, ps in parts[:index] for p in ps if not name.endswith("(all)")]
+    for name, _, patterns in parts:
         seconds = 0.0
         for key, (_, _, _, cumulative, callers) in stats.items():
             if not _matches(key, patterns):
                 continue
-            # Time entering from callers outside this part (and outside earlier parts) only.
-            inside = sum(timing[3] for caller, timing in callers.items()
-                         if _matches(caller, patterns) or (earlier and _matches(caller, earlier)))
-            seconds += max(0.0, cumulative - inside) if callers else cumulative
+            inside = sum(timing[3] for caller, timing in callers.items() if _matches(caller, patterns))
+            seconds += max(0.0, cumulative - inside)
         out[name] = seconds
     return out
 
@@ -154,12 +152,13 @@ STAGES = {"sft": (profile_sft, SFT_PARTS, "step"), "rl": (profile_rl, RL_PARTS, 
           "eval": (profile_eval, EVAL_PARTS, "trajectory")}
 
 
-def table(stage: str, wall: float, units: float, unit: str, parts: dict[str, float]) -> str:
+def table(stage: str, wall: float, units: float, unit: str, parts: list, seconds: dict[str, float]) -> str:
     lines = [f"{stage}: {wall:.1f} s wall under the profiler, {units:g} {unit}s",
-             f"  {'part':<38} {'seconds':>8} {'share':>6} {'s/' + unit:>10}"]
-    named = sum(seconds for name, seconds in parts.items() if not name.endswith("(all)"))
-    for name, seconds in [*parts.items(), ("other (start, imports, loading, the rest)", max(0.0, wall - named))]:
-        lines.append(f"  {name:<38} {seconds:8.1f} {seconds / wall:6.1%} {seconds / units:10.3f}")
+             f"  {'part':<52} {'seconds':>8} {'share':>6} {'s/' + unit:>13}"]
+    top = sum(seconds[name] for name, level, _ in parts if level == 0)
+    rows = [(("    " if level else "") + name, seconds[name]) for name, level, _ in parts]
+    for name, value in [*rows, ("other (interpreter start, the stage's own setup, the rest)", max(0.0, wall - top))]:
+        lines.append(f"  {name:<52} {value:8.1f} {value / wall:6.1%} {value / units:13.3f}")
     return "\n".join(lines)
 
 
@@ -182,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         run, parts, unit = STAGES[stage]
         wall, units, profile = run(args.work, amounts[stage], folder, env)
         seconds = split(profile, parts)
-        print(table(stage, wall, units, unit, seconds), flush=True)
+        print(table(stage, wall, units, unit, parts, seconds), flush=True)
         figures["stages"][stage] = {"wall_s": wall, "units": units, "unit": unit, "parts_s": seconds}
     if args.out is not None:
         args.out.write_text(json.dumps(figures, indent=1))
