@@ -1,5 +1,5 @@
 """`loupe serve` on a real model: the committed tiny Qwen2.5-VL (assets/tiny-model) on the transformers engine,
-greedy, over the first questions of the default's test split (the same generator and seed as `make run`'s).
+greedy, over the first 4 questions of the default's test split (the same generator and seed as `make run`'s).
 
 - The zoom loop run by the server gives, for each question, the trajectory the in-process rollout loop gives
   (`run_rollouts`, the eval stage's loop), and requests sent all at once (sharing the running batch) give what
@@ -34,7 +34,7 @@ from stages.eval.__main__ import main as eval_main
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = REPO / "assets" / "tiny-model"
-QUESTIONS = 6
+QUESTIONS = 4
 SETTINGS = {"protocol": {"max_turns": 4}, "rollout": {"max_new_tokens": 40, "device": "cpu", "batch_size": 8},
             "serve": {"max_turns": 4}}
 
