@@ -62,7 +62,7 @@ test-learning: $(STAMP)
 	$(PY) -m pytest -q -m learning $(PYTEST_ARGS)
 
 # The real vLLM (its CPU build) generating: rollouts, weight syncs, the rl and eval stages, its OpenAI server
-# (tests/test_vllm_real.py; builds .venv-vllm first, about 7 GB; ~7 minutes of tests; CI runs it).
+# and `loupe serve` on vLLM (tests/test_vllm_real.py; builds .venv-vllm first, about 7 GB; ~11 minutes of tests; CI runs it).
 test-vllm: $(STAMP) vllm-venv
 	$(PY) -m pytest -q -m vllm $(PYTEST_ARGS)
 
