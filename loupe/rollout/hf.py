@@ -410,7 +410,7 @@ class TransformersEngine(TokenContextEngine):
 
     def discard(self, tickets: set[int]) -> None:
         super().discard(tickets)
-        if self._running is not None:
+        if self._running is not None and any(row.ticket in tickets for row in self._running.rows):
             self._running = keep_rows(self._running, [i for i, row in enumerate(self._running.rows)
                                                       if row.ticket not in tickets])
 
