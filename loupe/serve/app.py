@@ -68,10 +68,15 @@ async def read_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
+def _error(err: RequestError) -> dict[str, Any]:
+    """OpenAI's error object for a refusal: the client's fault below 500, the server's from it."""
+    return error_body(err.message, "invalid_request_error" if err.status < 500 else "server_error", err.param,
+                      err.code)
+
+
 def _refusal(err: RequestError) -> JSONResponse:
-    kind = "invalid_request_error" if err.status < 500 else "server_error"
     headers = {"Retry-After": "1"} if err.status == 503 else None
-    return JSONResponse(error_body(err.message, kind, err.param, err.code), status_code=err.status, headers=headers)
+    return JSONResponse(_error(err), status_code=err.status, headers=headers)
 
 
 def _validation_message(err: ValidationError) -> tuple[str, str | None]:
@@ -227,18 +232,12 @@ def create_app(scheduler: Scheduler, params: ServeParams, model: str, api_key: s
                             delta = {"reasoning_content": record.text} if record.role == "assistant" else {}
                             yield chunk(job, model, delta, extension=extension)
                 elif kind == "error":
-                    err: RequestError = data
-                    kind_ = "invalid_request_error" if err.status < 500 else "server_error"
-                    yield f"data: {json.dumps(error_body(err.message, kind_, err.param, err.code))}\n\n"
+                    yield f"data: {json.dumps(_error(data))}\n\n"
                     break
                 else:
                     outcome: Outcome = data
-                    if job.zoom_loop:
-                        yield chunk(job, model, {"content": outcome.text})
-                        extension = {"end_reason": outcome.finish, "turns": outcome.turns}
-                    else:
-                        yield chunk(job, model, {"content": outcome.text})
-                        extension = None
+                    yield chunk(job, model, {"content": outcome.text})
+                    extension = {"end_reason": outcome.finish, "turns": outcome.turns} if job.zoom_loop else None
                     yield chunk(job, model, {}, finish_reason(job, outcome), extension=extension)
                     if include_usage:
                         yield chunk(job, model, {}, usage_=usage(outcome))
@@ -249,7 +248,3 @@ def create_app(scheduler: Scheduler, params: ServeParams, model: str, api_key: s
             scheduler.cancel(job)
 
     return app
-
-
-def with_body_limit(app: FastAPI, params: ServeParams) -> BodyLimit:
-    return BodyLimit(app, params.max_request_bytes)

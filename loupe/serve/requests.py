@@ -214,9 +214,7 @@ def read_question(request: ChatRequest, params: ServeParams) -> Question:
     if not users:
         raise RequestError(400, "messages: no user message; the last user message is the question", "messages")
     index = users[-1]
-    images: list[Image.Image] = []
-    counted = [0]
-    text, images = _render(request.messages[index], index, params, counted, params.max_images_per_request,
+    text, images = _render(request.messages[index], index, params, [0], params.max_images_per_request,
                            "serve.max_images_per_request")
     question = text.replace(IMAGE_PLACEHOLDER, " ").strip()
     if not images:

@@ -139,13 +139,16 @@ class Scheduler:
         self._thread.join(timeout=30)
         self.engine.close()
 
+    def _full(self) -> bool:
+        return len(self._inbox) + len(self._running) >= self.max_running + self.max_queued
+
     def has_room(self) -> bool:
         """Whether a request now would be queued (a check before its images are decoded; `submit` decides)."""
         with self._wake:
-            return self.alive and len(self._inbox) + len(self._running) < self.max_running + self.max_queued
+            return self.alive and not self._full()
 
     def describe_load(self) -> str:
-        with self._wake:
+        with self._wake:  # a re-entrant lock: `submit` calls this holding it
             return (f"{len(self._running)} requests running and {len(self._inbox)} queued "
                     f"(serve.max_running {self.max_running}, serve.max_queued {self.max_queued})")
 
@@ -155,9 +158,8 @@ class Scheduler:
             if self._closed or self.failure is not None:
                 raise QueueFull(f"the engine has stopped ({self.failure})" if self.failure else
                                 "the server is shutting down")
-            if len(self._inbox) + len(self._running) >= self.max_running + self.max_queued:
-                raise QueueFull(f"{len(self._running)} requests running and {len(self._inbox)} queued "
-                                f"(serve.max_running {self.max_running}, serve.max_queued {self.max_queued})")
+            if self._full():
+                raise QueueFull(self.describe_load())
             self._inbox.append(job)
             self._wake.notify()
 
