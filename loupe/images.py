@@ -50,6 +50,8 @@ from pathlib import Path
 import numpy as np
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
+from loupe.png import decode_own_png, own_png_size
+
 # open_image enforces its own, configurable pixel limit before decoding; PIL's fixed global limit would
 # otherwise refuse large images first (and warn on 8K benchmark images) whatever max_decode_pixels says.
 Image.MAX_IMAGE_PIXELS = None
@@ -175,6 +177,19 @@ def open_image_bytes(data: bytes, name: str, max_pixels: int = DEFAULT_MAX_DECOD
 
 
 def _decode(source: Path | io.BytesIO, path: Path | str, max_pixels: int) -> Image.Image:
+    if isinstance(source, Path) and source.suffix.lower() == ".png":
+        # The pipeline's own canvases and crops take the fast path (loupe.png: the same pixels, half the time).
+        data = source.read_bytes()
+        size = own_png_size(data)
+        if size is not None:
+            _check_header_size(path, size, max_pixels)
+            try:
+                image = decode_own_png(data)
+            except Exception as err:  # zlib.error, ValueError: a damaged stream behind intact checksums
+                raise ImageError(f"{path}: corrupt, truncated or unsupported image ({type(err).__name__}: {err})"[:400]) from None
+            if image is not None:
+                return image
+        source = io.BytesIO(data)
     try:
         with Image.open(source, formats=IMAGE_FORMATS) as img:
             _check_header_size(path, img.size, max_pixels)

@@ -31,6 +31,7 @@ from PIL import Image
 
 from loupe.images import open_image
 from loupe.io import FILE_MODE, atomic_write_bytes, atomic_write_text
+from loupe.png import encode_png
 
 END_REASONS = ("answered", "over_turn", "format_error", "length")
 """Why a trajectory stopped: it answered; it was still calling tools at the turn, image or context limit;
@@ -160,9 +161,13 @@ def save_pending_images(trajectory: Trajectory, out_dir: Path) -> None:
     folder = Path("images") / _safe_name(trajectory.traj_id)
     for index, image in sorted(trajectory.pending.items()):
         relative = folder / f"{index}.png"
-        buffer = io.BytesIO()
-        image.save(buffer, format="PNG", compress_level=1)
-        atomic_write_bytes(out_dir / relative, buffer.getvalue())
+        if image.mode == "RGB":
+            data = encode_png(image)
+        else:
+            buffer = io.BytesIO()
+            image.save(buffer, format="PNG", compress_level=1)
+            data = buffer.getvalue()
+        atomic_write_bytes(out_dir / relative, data)
         trajectory.images[index] = str(relative)
     trajectory.pending.clear()
     trajectory.base_dir = out_dir

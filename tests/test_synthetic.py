@@ -19,8 +19,9 @@ from pydantic import ValidationError
 from loupe.data import synthetic
 from loupe.data.splits import SPLITS
 from loupe.data.synthetic import DIFFICULTIES, QUESTION_KINDS, SyntheticConfig, generate_tasks, make_task
-from loupe.data.synthetic_draw import BACKGROUND_LEVELS, DIGITS, LETTERS, PALETTE, SHAPES, encode_png
+from loupe.data.synthetic_draw import BACKGROUND_LEVELS, DIGITS, LETTERS, PALETTE, SHAPES
 from loupe.data.tasks import TaskRecord, read_tasks
+from loupe.png import encode_png
 
 SMALL = dict(canvas_side=(1024, 1280), clutter_count=(20, 40))
 SINGLE_TARGET_KINDS = {"colour", "shape", "glyph"}

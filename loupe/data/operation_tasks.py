@@ -45,9 +45,10 @@ from PIL import Image, ImageDraw, ImageFont
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from loupe.data.splits import SplitConfig, write_splits
-from loupe.data.synthetic_draw import PALETTE, encode_png, textured_background
+from loupe.data.synthetic_draw import PALETTE, textured_background
 from loupe.data.tasks import TaskRecord
 from loupe.data.zoom_tasks import CELL_NAMES, CELL_PREPOSITIONS
+from loupe.png import encode_png
 
 _SPLIT_STREAMS = {"train": 201, "val": 202, "test": 203}
 DATA_SOURCE = "operations"

@@ -31,8 +31,9 @@ from PIL import Image, ImageDraw, ImageFont
 from pydantic import Field
 
 from loupe.data.splits import SplitConfig, write_splits
-from loupe.data.synthetic_draw import PALETTE, encode_png
+from loupe.data.synthetic_draw import PALETTE
 from loupe.data.tasks import TaskRecord
+from loupe.png import encode_png
 
 # Stream ids apart from the synthetic (1-3) and zoom (101-103) families'.
 _STREAMS = {"arithmetic": 201, "counting": 211, "geometry": 221}

@@ -47,7 +47,6 @@ from loupe.data.synthetic_draw import (
     Box,
     Canvas,
     Item,
-    encode_png,
     glyph_class,
     glyph_footprint,
     shape_footprint,
@@ -57,6 +56,7 @@ from loupe.data.synthetic_draw import (
 )
 from loupe.data.tasks import OPTION_LETTERS, TaskRecord
 from loupe.data.splits import SplitConfig, write_splits
+from loupe.png import encode_png
 
 Difficulty = Literal["easy", "medium", "hard"]
 QuestionKind = Literal["colour", "shape", "glyph", "count", "position"]

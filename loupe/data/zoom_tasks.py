@@ -38,9 +38,10 @@ import numpy as np
 from PIL import Image
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from loupe.data.synthetic_draw import PALETTE, Box, Canvas, encode_png, textured_background
+from loupe.data.synthetic_draw import PALETTE, Box, Canvas, textured_background
 from loupe.data.tasks import OPTION_LETTERS, TaskRecord
 from loupe.data.splits import SplitConfig, write_splits
+from loupe.png import encode_png
 
 # Stream ids apart from the synthetic generator's (1, 2, 3), so the two families never share a canvas.
 _SPLIT_STREAMS = {"train": 101, "val": 102, "test": 103}

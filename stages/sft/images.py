@@ -7,7 +7,7 @@ benchmark photographs are megapixels, so on a CPU most of a training step goes t
 
 `presize_dataset` writes a copy of the dataset folder whose too-large images are already scaled, by the very
 call LLaMA-Factory makes (`image.resize((int(w * f), int(h * f)))` with PIL's default filter) and saved
-losslessly as PNG. LLaMA-Factory then finds them within its budget and leaves them as they are, so the pixels
+losslessly as PNG (one process per core). LLaMA-Factory then finds them within its budget and leaves them as they are, so the pixels
 the model sees are identical (tests/test_sft_images.py compares them through LLaMA-Factory's own plugin);
 only the time changes. Images within the budget, and modes PNG cannot hold, are referenced where they are.
 The copy is rebuilt only when the dataset or the budget changes.
@@ -19,6 +19,7 @@ import hashlib
 import json
 import math
 import os
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from loupe.io import atomic_directory, atomic_write_json
+from loupe.png import encode_png, read_own_png
 from stages.sft.checks import DatasetSpec
 
 MANIFEST = "loupe_presize.json"
@@ -76,15 +78,16 @@ def presize_dataset(
         (tmp / "images").mkdir()
         replaced: dict[Path, str] = {}
         todo = [(p, scaled_size(w, h, image_max_pixels, image_min_pixels)) for p, (w, h) in sorted(sizes.items())]
-        todo = [(p, size) for p, size in todo if size is not None]
-        for index, (path, size) in enumerate(tqdm(todo, desc="sft: scaling images", unit="img", disable=not progress)):
-            with Image.open(path) as image:
-                if image.mode not in PNG_MODES:
-                    continue
-                scaled = image.resize(size)  # LLaMA-Factory's call, default filter: the same pixels
-            name = f"images/{index:07d}.png"
-            scaled.save(tmp / name, format="PNG", compress_level=1)
-            replaced[path] = name
+        todo = [(p, size, tmp / f"images/{index:07d}.png")
+                for index, (p, size) in enumerate((p, size) for p, size in todo if size is not None)]
+        workers = min(len(todo), len(os.sched_getaffinity(0)), 8)
+        # Decoding, scaling and encoding are independent per image and hold the GIL in places: one process per core.
+        with ProcessPoolExecutor(max_workers=max(workers, 1)) as pool:
+            done = pool.map(_scale_one, todo, chunksize=max(1, len(todo) // (8 * max(workers, 1))))
+            for (path, _, target), scaled in tqdm(zip(todo, done), total=len(todo), desc="sft: scaling images",
+                                                 unit="img", disable=not progress):
+                if scaled:
+                    replaced[path] = str(target.relative_to(tmp))
         column = spec.images
         rewritten = []
         for record in records:
@@ -99,6 +102,21 @@ def presize_dataset(
         atomic_write_json(tmp / "dataset_info.json", {spec.name: info[spec.name]})
         atomic_write_json(tmp / MANIFEST, {"digest": digest, "scaled": len(replaced), "source": str(spec.folder)})
     return out_dir, len(replaced)
+
+
+def _scale_one(job: tuple[Path, tuple[int, int], Path]) -> bool:
+    """Scale one image into `target` as LLaMA-Factory would; False for a mode PNG cannot hold (left as it is)."""
+    path, size, target = job
+    own = read_own_png(path)  # the pipeline's canvases: loupe.png's fast decoder, the same pixels as Pillow's
+    with own if own is not None else Image.open(path) as image:
+        if image.mode not in PNG_MODES:
+            return False
+        scaled = image.resize(size)  # LLaMA-Factory's call, default filter: the same pixels
+    if scaled.mode == "RGB":
+        target.write_bytes(encode_png(scaled))
+    else:
+        scaled.save(target, format="PNG", compress_level=1)
+    return True
 
 
 def _reference(folder: Path, image: str, replaced: dict[Path, str]) -> str:

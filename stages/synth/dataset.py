@@ -33,6 +33,7 @@ from typing import Any
 
 from loupe.images import decodes_plainly, open_image
 from loupe.io import atomic_directory, atomic_write_json, file_digest
+from loupe.png import encode_png
 from loupe.protocol import to_sharegpt
 from loupe.trajectory import Trajectory, read_trajectories, write_trajectories
 
@@ -157,7 +158,7 @@ def write_llamafactory_dataset(trajectories: Iterable[Trajectory], folder: str |
                         else:
                             # LLaMA-Factory decodes with a plain convert("RGB"): no EXIF rotation, alpha on black,
                             # 16-bit clipped. It gets the pixels the crops were cut from instead.
-                            open_image(source_path).save(tmp / relative, format="PNG")
+                            (tmp / relative).write_bytes(encode_png(open_image(source_path)))
                         image_bytes += (tmp / relative).stat().st_size
                     placed[source_path] = (relative, digest)
                 relative, digest = placed[source_path]
