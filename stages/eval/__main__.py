@@ -19,8 +19,10 @@ loupe.rewards, and writes into --out:
 
 Models are given as `--model NAME=PATH`, repeated, and run in that order; a bare `--model PATH` is named `model`.
 Every model answers the same questions with the same seed, sampling and chunking, so the numbers differ only by
-the model. They run one after another in this one process; each model's engine is closed and freed before the
-next model is loaded. The terminal output ends with the comparison table (loupe.compare.comparison_table).
+the model. They run one after another in this one process, each model's engine closed and freed before the
+next model is loaded; on a CPU with the transformers engine they run side by side instead, one process each
+(`eval.model_processes`, stages/eval/side_by_side.py), with the same files. The terminal output ends with the
+comparison table (loupe.compare.comparison_table).
 
 Memory does not grow with the benchmark: questions run `eval.chunk_size` at a time, each chunk's trajectories
 are scored, appended to hidden temporary files (`JsonlWriter`) and dropped; only a few numbers per sample
@@ -70,6 +72,7 @@ from loupe.trajectory import JsonlWriter, Trajectory
 from loupe.viewer import render_html
 from stages.eval.comparison import compare, comparison_plot, turn_scaling_rows
 from stages.eval.params import EvalParams
+from stages.eval.side_by_side import count_trajectory, evaluate_side_by_side, model_processes
 
 BARE_MODEL_NAME = "model"
 """The name of a model given as a bare `--model PATH`."""
@@ -143,10 +146,16 @@ def evaluate_models(params_path: Path, models: dict[str, Path], out_dir: Path, p
         benchmarks = _load_benchmarks(params, out_dir / "benchmark_cache")
         summaries: dict[str, dict] = {}
         records: dict[str, dict[str, list[SampleRecord]]] = {}
+        processes = model_processes(params.model_processes, rollout.engine, rollout.device, len(models))
+        if processes > 1:
+            done = evaluate_side_by_side(params_path, models, out_dir, benchmarks, params.samples, processes, progress)
         for name, path in models.items():
-            metrics, records[name] = _evaluate(params_path, path, out_dir / name, benchmarks, progress, label=name)
+            if processes > 1:
+                metrics, records[name] = done[name]
+            else:
+                metrics, records[name] = _evaluate(params_path, path, out_dir / name, benchmarks, progress, label=name)
+                _release_memory()
             summaries[name] = metrics["benchmarks"]
-            _release_memory()
         comparison = compare({name: str(path) for name, path in models.items()},
                              {name: tasks for name, tasks, _ in benchmarks}, summaries, records, params.turn_limits, seed)
         comparison["seconds"] = round(time.perf_counter() - started, 2)
@@ -265,6 +274,7 @@ class _BenchmarkRun:
                 # Eval never reads the token trace; dropping it at once frees its processed pixel tensors.
                 trajectory.trace = None
                 bar.update(1)
+                count_trajectory()  # the parent's bar when models run side by side
                 elapsed = max(time.perf_counter() - started, 1e-9)
                 bar.set_postfix(turns=stats.turns, tok_s=f"{stats.generated_tokens / elapsed:.0f}", refresh=False)
 

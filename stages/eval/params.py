@@ -42,6 +42,10 @@ class EvalParams(Section):
     Greedy decoding (temperature 0) gives the same outputs whatever the chunking, up to the engine's
     batch-size numerics (exact on CPU in tests/test_eval_streaming.py). A benchmark no larger than one chunk
     runs as one batch, exactly as before chunking existed."""
+    model_processes: int | None = Field(None, ge=1)
+    """Models evaluated at once, each in its own process at one torch thread. None: every model side by side
+    when the transformers engine runs on the CPU, one after another on a GPU or another engine. A model's files
+    are the same either way (stages/eval/side_by_side.py); memory holds that many models and their batches."""
     viewer_trajectories: int = Field(40, ge=0)
     """Trajectories shown in the HTML viewer page."""
     reward: RewardConfig = RewardConfig()
