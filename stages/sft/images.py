@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -81,8 +82,9 @@ def presize_dataset(
         todo = [(p, size, tmp / f"images/{index:07d}.png")
                 for index, (p, size) in enumerate((p, size) for p, size in todo if size is not None)]
         workers = min(len(todo), len(os.sched_getaffinity(0)), 8)
-        # Decoding, scaling and encoding are independent per image and hold the GIL in places: one process per core.
-        with ProcessPoolExecutor(max_workers=max(workers, 1)) as pool:
+        # Decoding, scaling and encoding are independent per image and hold the GIL in places: one process per
+        # core, spawned (a fork of this process, which runs tqdm's and MLflow's threads, can deadlock).
+        with ProcessPoolExecutor(max_workers=max(workers, 1), mp_context=multiprocessing.get_context("spawn")) as pool:
             done = pool.map(_scale_one, todo, chunksize=max(1, len(todo) // (8 * max(workers, 1))))
             for (path, _, target), scaled in tqdm(zip(todo, done), total=len(todo), desc="sft: scaling images",
                                                  unit="img", disable=not progress):
