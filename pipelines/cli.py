@@ -147,7 +147,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     os.chdir(root)  # DVC and the stages work in the workspace
 
     started = time.perf_counter()
-    print("loupe: starting the Prefect flow (its local server takes about 40 s to start; then each stage shows "
+    print("loupe: starting the Prefect flow (its local server takes 15-30 s to start; then each stage shows "
           f"its progress, and everything it prints goes to {LOG_DIR}/<stage>.log)", flush=True)
     try:
         rows = loupe_pipeline(stages=args.stages, force=args.force, root=str(root))
