@@ -23,15 +23,24 @@ from __future__ import annotations
 
 import struct
 import zlib as _stdlib_zlib
+from functools import cache
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image
 
-try:  # zlib-ng: the same streams, faster (module docstring)
-    from zlib_ng import zlib_ng as zlib
-except ImportError:  # pragma: no cover - the CPU stack installs it; stage images may not
-    zlib = _stdlib_zlib  # type: ignore[no-redef]
+
+@cache
+def _zlib() -> Any:
+    """zlib-ng where installed (the CPU stack pins it), else the standard library's zlib: the same streams.
+    Imported at the first PNG, not with this module: loupe.rewards reaches it through loupe.images, and the
+    stage images, whose locks do not hold zlib-ng yet, import the rewards too."""
+    try:
+        from zlib_ng import zlib_ng
+    except ImportError:  # pragma: no cover - the stage images
+        return _stdlib_zlib
+    return zlib_ng
 
 SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _UP = 2  # PNG filter type 2: each byte minus the byte above it (mod 256)
@@ -55,6 +64,7 @@ def encode_png(image: Image.Image, level: int = 1) -> bytes:
     filtered[:, 0] = _UP
     filtered[0, 1:] = rows[0]  # the row above the first is zeros: stored as is
     np.subtract(rows[1:], rows[:-1], out=filtered[1:, 1:])
+    zlib = _zlib()
     compressor = zlib.compressobj(level, zlib.DEFLATED, 15, 9, zlib.Z_RLE)
     data = compressor.compress(filtered.tobytes()) + compressor.flush()
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB, deflate, adaptive filters, no interlace
@@ -74,7 +84,7 @@ def own_png_size(data: bytes) -> tuple[int, int] | None:
     end = _IDAT_AT + 8 + length
     if data[_IDAT_AT + 4:_IDAT_AT + 8] != b"IDAT" or data[end + 4:] != _chunk(b"IEND", b""):
         return None
-    if struct.unpack(">I", data[end:end + 4])[0] != zlib.crc32(data[_IDAT_AT + 4:end]):
+    if struct.unpack(">I", data[end:end + 4])[0] != _zlib().crc32(data[_IDAT_AT + 4:end]):
         return None
     width, height = struct.unpack(">II", data[16:24])
     return (width, height) if width and height else None
@@ -88,7 +98,7 @@ def decode_own_png(data: bytes) -> Image.Image | None:
         return None
     width, height = size
     length = struct.unpack(">I", data[_IDAT_AT:_IDAT_AT + 4])[0]
-    raw = zlib.decompress(data[_IDAT_AT + 8:_IDAT_AT + 8 + length])
+    raw = _zlib().decompress(data[_IDAT_AT + 8:_IDAT_AT + 8 + length])
     stride = width * 3 + 1
     if len(raw) != height * stride:
         raise ValueError(f"PNG image data holds {len(raw)} bytes, {height * stride} expected for {width}x{height} RGB")

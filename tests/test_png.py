@@ -100,3 +100,12 @@ def test_a_damaged_stream_behind_intact_checksums_is_an_image_error(tmp_path):
     (tmp_path / "cut.png").write_bytes(short)
     with pytest.raises(ImageError, match="cut.png.*expected"):
         open_image(tmp_path / "cut.png")
+
+
+def test_without_zlib_ng_the_standard_librarys_zlib_writes_and_reads_the_same_files(monkeypatch):
+    """The stage images do not hold zlib-ng: the same bytes out, the same pixels back."""
+    image = _canvas(2, (120, 80))
+    with_installed = encode_png(image)
+    monkeypatch.setattr(png, "_zlib", lambda: zlib)
+    assert encode_png(image) == with_installed
+    assert np.array_equal(np.asarray(decode_own_png(with_installed)), np.asarray(image))
