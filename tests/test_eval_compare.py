@@ -305,8 +305,9 @@ def test_an_endpoint_engine_compares_no_models(tmp_path, key_tasks, capsys):
 
 
 def test_the_same_model_twice_gives_the_same_numbers_side_by_side_as_in_turn(tmp_path, tiny_model_dir, monkeypatch):
-    """On the CPU the two models run side by side in spawned processes at one torch thread each (the default,
-    `model_processes: null`), and in turn in this process at torch's threads: the same files either way."""
+    """On the CPU the two models run side by side in spawned processes at one torch thread each
+    (`model_processes: 2`; the default does so from 100 trajectories a model), and in turn in this process at
+    torch's threads: the same files either way."""
     from loupe.data.synthetic import SyntheticConfig, generate_tasks
     from stages.eval import side_by_side
 
@@ -315,21 +316,21 @@ def test_the_same_model_twice_gives_the_same_numbers_side_by_side_as_in_turn(tmp
     real = side_by_side.evaluate_side_by_side
     monkeypatch.setattr(eval_stage, "evaluate_side_by_side", lambda *a, **k: started.append(a[-2]) or real(*a, **k))
     outputs = {}
-    for processes in (None, 1):
+    for processes in (2, 1):
         params = write_params(tmp_path, tmp_path / "tasks", temperature=1.0, model_processes=processes)
         out = outputs[processes] = tmp_path / f"out-{processes}"
         assert eval_stage.main(["--params", str(params), "--model", f"first={tiny_model_dir}",
                                 "--model", f"second={tiny_model_dir}", "--out", str(out), "--no-progress"]) == 0
-    assert started == [2]  # the default ran both models at once; model_processes 1 in turn
+    assert started == [2]  # model_processes 2 ran both models at once; 1 in turn
     # Sampled at temperature 1, yet byte for byte the same: each model starts from the same seed on the same tasks.
     for name in ("results.jsonl", "trajectories/synthetic.jsonl", "viewer.html"):
         texts = {(p, m): (outputs[p] / m / name).read_text() for p in outputs for m in ("first", "second")}
         assert len(set(texts.values())) == 1, name
-    files = sorted(p.relative_to(outputs[None]) for p in outputs[None].rglob("*") if p.is_file())
+    files = sorted(p.relative_to(outputs[2]) for p in outputs[2].rglob("*") if p.is_file())
     assert {f.relative_to(outputs[1]) for f in outputs[1].rglob("*") if f.is_file()} == set(files)
     timed = [f for f in files if f.name == "metrics.json"]  # they hold the seconds each took
-    assert all((outputs[None] / f).read_bytes() == (outputs[1] / f).read_bytes() for f in files if f not in timed)
-    comparison = json.loads((outputs[None] / "metrics.json").read_text())
+    assert all((outputs[2] / f).read_bytes() == (outputs[1] / f).read_bytes() for f in files if f not in timed)
+    comparison = json.loads((outputs[2] / "metrics.json").read_text())
     first, second = comparison["synthetic"]["first"], comparison["synthetic"]["second"]
     assert first == second and set(first["turn_scaling"]) == {"1", "2"}
     assert json.loads((outputs[1] / "metrics.json").read_text())["synthetic"]["first"] == first
@@ -338,12 +339,13 @@ def test_the_same_model_twice_gives_the_same_numbers_side_by_side_as_in_turn(tmp
 def test_how_many_models_run_at_once():
     from stages.eval.side_by_side import model_processes
 
-    assert model_processes(None, "transformers", "cpu", 3) == 3
-    assert model_processes(None, "transformers", "cpu", 1) == 1
-    assert model_processes(None, "vllm", "cpu", 3) == 1
-    assert model_processes(None, "transformers", "cuda", 3) == 1
-    assert model_processes(2, "transformers", "cpu", 3) == 2
-    assert model_processes(8, "vllm", "cuda", 3) == 3  # a setting is taken as given, up to the models there are
+    assert model_processes(None, "transformers", "cpu", 3, 400) == 3
+    assert model_processes(None, "transformers", "cpu", 3, 99) == 1  # a process's start would cost more than it saves
+    assert model_processes(None, "transformers", "cpu", 1, 400) == 1
+    assert model_processes(None, "vllm", "cpu", 3, 400) == 1
+    assert model_processes(None, "transformers", "cuda", 3, 400) == 1
+    assert model_processes(2, "transformers", "cpu", 3, 6) == 2
+    assert model_processes(8, "vllm", "cuda", 3, 6) == 3  # a setting is taken as given, up to the models there are
 
 
 def test_a_model_failing_side_by_side_fails_the_stage_naming_it(tmp_path, key_tasks, tiny_model_dir, capsys):

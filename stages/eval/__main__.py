@@ -20,9 +20,9 @@ loupe.rewards, and writes into --out:
 Models are given as `--model NAME=PATH`, repeated, and run in that order; a bare `--model PATH` is named `model`.
 Every model answers the same questions with the same seed, sampling and chunking, so the numbers differ only by
 the model. They run one after another in this one process, each model's engine closed and freed before the
-next model is loaded; on a CPU with the transformers engine they run side by side instead, one process each
-(`eval.model_processes`, stages/eval/side_by_side.py), with the same files. The terminal output ends with the
-comparison table (loupe.compare.comparison_table).
+next model is loaded; on a CPU with the transformers engine, from 100 trajectories a model, they run side by
+side instead, one process each (`eval.model_processes`, stages/eval/side_by_side.py), with the same files. The
+terminal output ends with the comparison table (loupe.compare.comparison_table).
 
 Memory does not grow with the benchmark: questions run `eval.chunk_size` at a time, each chunk's trajectories
 are scored, appended to hidden temporary files (`JsonlWriter`) and dropped; only a few numbers per sample
@@ -146,7 +146,8 @@ def evaluate_models(params_path: Path, models: dict[str, Path], out_dir: Path, p
         benchmarks = _load_benchmarks(params, out_dir / "benchmark_cache")
         summaries: dict[str, dict] = {}
         records: dict[str, dict[str, list[SampleRecord]]] = {}
-        processes = model_processes(params.model_processes, rollout.engine, rollout.device, len(models))
+        trajectories = sum(len(tasks) for _, tasks, _ in benchmarks) * params.samples
+        processes = model_processes(params.model_processes, rollout.engine, rollout.device, len(models), trajectories)
         if processes > 1:
             done = evaluate_side_by_side(params_path, models, out_dir, benchmarks, params.samples, processes, progress)
         for name, path in models.items():

@@ -44,8 +44,9 @@ class EvalParams(Section):
     runs as one batch, exactly as before chunking existed."""
     model_processes: int | None = Field(None, ge=1)
     """Models evaluated at once, each in its own process at one torch thread. None: every model side by side
-    when the transformers engine runs on the CPU, one after another on a GPU or another engine. A model's files
-    are the same either way (stages/eval/side_by_side.py); memory holds that many models and their batches."""
+    when the transformers engine runs on the CPU and each model has 100 trajectories or more (a process's start
+    costs about 8 s), one after another on a GPU, another engine or a small evaluation. A model's files are the
+    same either way (stages/eval/side_by_side.py); memory holds that many models and their batches."""
     viewer_trajectories: int = Field(40, ge=0)
     """Trajectories shown in the HTML viewer page."""
     reward: RewardConfig = RewardConfig()
