@@ -56,9 +56,12 @@ def presize(folder, out):
     return images.presize_dataset(spec, records, sizes, MAX_PIXELS, MIN_PIXELS, out, progress=False)
 
 
-def test_llamafactory_sees_the_same_pixels_from_the_scaled_copy(dataset, tmp_path):
+@pytest.mark.parametrize("processes", ["in the stage's process", "spawned processes"])
+def test_llamafactory_sees_the_same_pixels_from_the_scaled_copy(dataset, tmp_path, monkeypatch, processes):
     from llamafactory.data.mm_plugin import get_mm_plugin
 
+    if processes == "spawned processes":  # as for a real data set's hundreds of canvases
+        monkeypatch.setattr(images, "POOL_FROM_IMAGES", 1)
     out, scaled = presize(dataset, tmp_path / "scaled")
     assert scaled == 6  # all but the CMYK photo and the small image
     plugin = get_mm_plugin("qwen2_vl", image_token="<|image_pad|>")

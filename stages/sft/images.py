@@ -21,6 +21,7 @@ import math
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,8 @@ from stages.sft.checks import DatasetSpec
 
 MANIFEST = "loupe_presize.json"
 PNG_MODES = ("RGB", "RGBA", "L", "LA", "P", "I", "I;16", "1")
+POOL_FROM_IMAGES = 64
+"""Images to scale from which the work is spread over processes (fewer are scaled in the stage's own)."""
 
 
 def scaled_size(width: int, height: int, image_max_pixels: int, image_min_pixels: int) -> tuple[int, int] | None:
@@ -81,11 +84,14 @@ def presize_dataset(
         todo = [(p, scaled_size(w, h, image_max_pixels, image_min_pixels)) for p, (w, h) in sorted(sizes.items())]
         todo = [(p, size, tmp / f"images/{index:07d}.png")
                 for index, (p, size) in enumerate((p, size) for p, size in todo if size is not None)]
-        workers = min(len(todo), len(os.sched_getaffinity(0)), 8)
         # Decoding, scaling and encoding are independent per image and hold the GIL in places: one process per
-        # core, spawned (a fork of this process, which runs tqdm's and MLflow's threads, can deadlock).
-        with ProcessPoolExecutor(max_workers=max(workers, 1), mp_context=multiprocessing.get_context("spawn")) as pool:
-            done = pool.map(_scale_one, todo, chunksize=max(1, len(todo) // (8 * max(workers, 1))))
+        # core, spawned (a fork of this process, which runs tqdm's and MLflow's threads, can deadlock). A spawned
+        # process takes about 2 s to start, which a few dozen canvases do not repay.
+        workers = min(len(os.sched_getaffinity(0)), 8) if len(todo) >= POOL_FROM_IMAGES else 1
+        with ExitStack() as stack:
+            pool = stack.enter_context(ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+                                       ) if workers > 1 else None
+            done = pool.map(_scale_one, todo, chunksize=max(1, len(todo) // (8 * workers))) if pool else map(_scale_one, todo)
             for (path, _, target), scaled in tqdm(zip(todo, done), total=len(todo), desc="sft: scaling images",
                                                  unit="img", disable=not progress):
                 if scaled:
