@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import re
+import subprocess
+import sys
+import time
 import weakref
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import yaml
 from PIL import Image
@@ -366,3 +371,33 @@ def test_one_model_in_process_still_writes_into_its_folder(tmp_path, key_tasks, 
     assert metrics["benchmarks"]["synthetic"]["accuracy"] == 0.5
     assert json.loads((tmp_path / "out" / "metrics.json").read_text()) == metrics
     assert len((tmp_path / "out" / "results.jsonl").read_text().splitlines()) == 12
+
+
+def test_killing_the_stage_stops_the_models_it_runs_side_by_side(tmp_path, tiny_model_dir):
+    """SIGKILL to the stage alone (what a scheduler or `kill -9` does) ends its model processes too."""
+    from loupe.data.synthetic import SyntheticConfig, generate_tasks
+
+    # 40 questions x 4 samples: each model computes for well over the 5 s its end is given below.
+    generate_tasks(tmp_path / "tasks", SyntheticConfig(seed=3, train=0, val=0, test=40, canvas_side=(1024, 1100)))
+    params = write_params(tmp_path, tmp_path / "tasks", temperature=1.0, model_processes=2, samples=4)
+    stage = subprocess.Popen([sys.executable, "-m", "stages.eval", "--params", str(params), "--model",
+                              f"a={tiny_model_dir}", "--model", f"b={tiny_model_dir}", "--out", str(tmp_path / "out"),
+                              "--no-progress"], cwd=Path(__file__).resolve().parent.parent,
+                             env={**os.environ, "LOUPE_TRACKING": "off"}, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        models: list[psutil.Process] = []
+        while len(models) < 2 and time.monotonic() < deadline and stage.poll() is None:
+            time.sleep(0.2)
+            models = [c for c in psutil.Process(stage.pid).children()
+                      if "spawn_main" in " ".join(c.cmdline()) and "resource_tracker" not in " ".join(c.cmdline())]
+        assert len(models) == 2, "the two model processes never started"
+        time.sleep(8)  # past their start: computing
+        assert all(m.is_running() for m in models) and stage.poll() is None
+    finally:
+        stage.kill()
+        stage.wait()
+    _, alive = psutil.wait_procs(models, timeout=5)
+    assert not alive, [m.pid for m in alive]
+    assert not (tmp_path / "out" / "metrics.json").exists()

@@ -14,7 +14,10 @@ MLflow, the comparison and the summary stay in the parent.
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
+import os
+import signal
 from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 from pathlib import Path
 from typing import Any
@@ -51,9 +54,18 @@ def count_trajectory() -> None:
             _COUNTER.value += 1
 
 
-def _start_child(counter: Any) -> None:
+def _start_child(counter: Any, parent: int) -> None:
     global _COUNTER
     _COUNTER = counter
+    # A stage killed outright (SIGKILL, or SIGTERM to it alone) must not leave its models computing: the child
+    # gets SIGTERM when the parent dies (Linux's PR_SET_PDEATHSIG, as stages/sft/runner.py sets for
+    # LLaMA-Factory), and stops at once if the parent is already gone.
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux: the pool's own broken-pipe check ends the child later
+        pass
+    if os.getppid() != parent:
+        os._exit(1)
     import torch
 
     torch.set_num_threads(1)  # one core each: the models, not the threads, share the machine
@@ -72,7 +84,7 @@ def evaluate_side_by_side(params_path: Path, models: dict[str, Path], out_dir: P
     counter = context.Value("q", 0)
     total = sum(len(tasks) for _, tasks, _ in benchmarks) * samples * len(models)
     with ProcessPoolExecutor(max_workers=processes, mp_context=context, initializer=_start_child,
-                             initargs=(counter,)) as pool, \
+                             initargs=(counter, os.getpid())) as pool, \
          tqdm(total=total, desc=f"eval {', '.join(models)} ({processes} processes)", unit="traj",
               disable=not progress) as bar:
         futures = {name: pool.submit(_evaluate_child, params_path, path, out_dir / name, benchmarks, name)
