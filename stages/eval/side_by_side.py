@@ -5,7 +5,7 @@ On a CPU the transformers engine's small matrices use a second thread poorly: th
 docs/learning.md "Where the time goes"). Each model's evaluation (`stages.eval.__main__._evaluate`) is
 independent: its own engine, sampling from its own generator seeded with the run's seed, into its own folder.
 Forward passes give the same bits at one thread as at two on the pinned kernels, so a model's files are the
-same, byte for byte, whether it ran alone or beside the others (tests/test_eval_side_by_side.py).
+same, byte for byte, whether it ran alone or beside the others (tests/test_eval_compare.py).
 
 Processes are spawned, not forked: the stage has imported torch, whose thread pools do not survive a fork.
 The children report each finished trajectory to a shared counter, which feeds the parent's single bar;

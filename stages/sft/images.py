@@ -7,8 +7,8 @@ benchmark photographs are megapixels, so on a CPU most of a training step goes t
 
 `presize_dataset` writes a copy of the dataset folder whose too-large images are already scaled, by the very
 call LLaMA-Factory makes (`image.resize((int(w * f), int(h * f)))` with PIL's default filter) and saved
-losslessly as PNG (one process per core). LLaMA-Factory then finds them within its budget and leaves them as they are, so the pixels
-the model sees are identical (tests/test_sft_images.py compares them through LLaMA-Factory's own plugin);
+losslessly as PNG (one process per core). LLaMA-Factory then finds them within its budget and leaves them as
+they are, so the pixels the model sees are identical (tests/test_sft_images.py compares them through LLaMA-Factory's own plugin);
 only the time changes. Images within the budget, and modes PNG cannot hold, are referenced where they are.
 The copy is rebuilt only when the dataset or the budget changes.
 """
@@ -81,9 +81,9 @@ def presize_dataset(
     with atomic_directory(out_dir) as tmp:
         (tmp / "images").mkdir()
         replaced: dict[Path, str] = {}
-        todo = [(p, scaled_size(w, h, image_max_pixels, image_min_pixels)) for p, (w, h) in sorted(sizes.items())]
-        todo = [(p, size, tmp / f"images/{index:07d}.png")
-                for index, (p, size) in enumerate((p, size) for p, size in todo if size is not None)]
+        scaled_sizes = [(p, scaled_size(w, h, image_max_pixels, image_min_pixels)) for p, (w, h) in sorted(sizes.items())]
+        over_budget = [(p, size) for p, size in scaled_sizes if size is not None]
+        todo = [(p, size, tmp / f"images/{index:07d}.png") for index, (p, size) in enumerate(over_budget)]
         # Decoding, scaling and encoding are independent per image and hold the GIL in places: one process per
         # core, spawned (a fork of this process, which runs tqdm's and MLflow's threads, can deadlock). A spawned
         # process takes about 2 s to start, which a few dozen canvases do not repay.
