@@ -8,7 +8,7 @@ it does not support, sampling at temperature 0) and names the params file and fi
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,9 @@ class Inputs:
     val: list[TaskRecord]
     vision_markers: frozenset[int] = frozenset()
     """Token ids of image/video markers: a trajectory whose model wrote one cannot be replayed (see _trainable)."""
+    withheld_labels: dict[str, str] = field(default_factory=dict)
+    """Test-time RL: each question's solution by doc_id, read by nothing but the pseudo-labels' accuracy figure
+    (`ttrl/pseudo_label_accuracy`); the trainer's questions carry `UNLABELED`."""
 
     @property
     def max_turns(self) -> int:
@@ -84,8 +87,10 @@ def read_inputs(params_path: Path, model_path: Path, tasks_dir: Path, section: s
     train = read_tasks(train_file, check_images=True)
     if not train:
         raise ValueError(f"{train_file}: holds no task records; rl needs at least one training prompt")
+    withheld: dict[str, str] = {}
     if params.ttrl.enabled:
-        train = unlabeled(train)  # test-time RL never holds a label
+        withheld = {task.doc_id: task.solution for task in train}
+        train = unlabeled(train)  # test-time RL never trains on a label
     if params.epochs is not None:
         per_pass = len(train) // params.prompts_per_step
         if per_pass == 0:
@@ -104,4 +109,4 @@ def read_inputs(params_path: Path, model_path: Path, tasks_dir: Path, section: s
         config[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
         if isinstance(config.get(k), int)
     )
-    return Inputs(seed, params, protocol, rollout, Path(model_path), Path(tasks_dir), train, val, markers)
+    return Inputs(seed, params, protocol, rollout, Path(model_path), Path(tasks_dir), train, val, markers, withheld)

@@ -43,7 +43,7 @@ from stages.rl.sharding import shard_model
 SUMMED_STATS = (
     "tokens", "pg_loss_sum", "clipped_sum", "clipped_high_sum", "clipped_low_sum", "ratio_sum", "policy_kl_sum",
     "kl_sum", "entropy_sum", "critic_tokens", "critic_loss_sum", "critic_clipped_sum", "critic_value_sum",
-    "critic_error_sum", "critic_return_sum", "critic_return_sq_sum",
+    "critic_error_sum", "critic_return_sum", "critic_return_sq_sum", "conservative_kl_sum",
 )
 """Per-token statistic sums of `loss.policy_loss` that sharded ranks add up (ratio_max is reduced by max)."""
 
@@ -199,6 +199,13 @@ class Learner:
             dual_clip=params.dual_clip,
         )
         self.scheduler = lr_scheduler(self.optimizer, params)
+        self.adaptive_kl = self.ema = None
+        """Pixelis' conservative update (rl.ttrl.conservative; stages/rl/conservative.py), test-time RL only."""
+        if params.ttrl.enabled and params.ttrl.conservative.enabled:
+            from stages.rl.conservative import AdaptiveKL, WeightEMA
+
+            self.adaptive_kl = AdaptiveKL(params.ttrl.conservative)
+            self.ema = WeightEMA(self.trainable, params.ttrl.conservative.ema_decay)
         self.critic = None
         if params.recipe.critic:
             from stages.rl.critic import Critic
@@ -269,13 +276,14 @@ class Learner:
     # --- the update -----------------------------------------------------------------------------------------
 
     def update(self, sequences: list[TrainSequence], filler: list[TrainSequence] | None = None,
-               train_policy: bool = True) -> dict[str, float]:
+               train_policy: bool = True, lr: float | None = None) -> dict[str, float]:
         """PPO epochs over `sequences` (this rank's share when sharded); returns averaged statistics.
 
         `filler` (sharded runs): a sequence whose forward and backward run with zero weight where this rank has
         fewer micro-batches than another, so every rank joins the same collectives. With a critic, each
         mini-batch also steps the critic on the same micro-batches; `train_policy` False (the critic's warm-up)
-        steps the critic alone.
+        steps the critic alone. `lr` (the conservative update's rate from the vote's confidence) replaces the
+        schedule's rate for this call's optimiser steps.
         """
         started = time.perf_counter()
         self.model.train()  # a colocated engine generates with this module in eval mode between updates
@@ -299,10 +307,13 @@ class Learner:
                     tokens, count = int(counts[0]), int(counts[1])
                 normaliser = loss_normaliser(p.aggregation, tokens, count, self.generation_budget)
                 self.optimizer.zero_grad(set_to_none=True)
+                mini_kl = 0.0
                 for micro in self._micro_batches(mini):
                     stats: dict[str, float] = {}
                     if train_policy:
-                        stats.update(self._backward(micro or filler or [], normaliser, scale=1.0 if micro else 0.0))
+                        stats.update(self._backward(micro or filler or [], normaliser, scale=1.0 if micro else 0.0,
+                                                    kl_tokens=float(max(tokens, 1))))
+                        mini_kl += stats.get("conservative_kl_sum", 0.0)
                     if self.critic is not None:
                         stats.update(self.critic.backward(micro or filler or [], float(max(tokens, 1)), self.batching,
                                                           self.pad_id, self.images, self.world, 1.0 if micro else 0.0))
@@ -312,16 +323,34 @@ class Learner:
                     critic_norms.append(self.critic.step())
                 if not train_policy:
                     continue
+                if self.adaptive_kl is not None:
+                    kl = self._global_sum(mini_kl) / max(tokens, 1)
+                    if self.adaptive_kl.skips(kl):  # Pixelis refuses an update this far from the policy
+                        totals["conservative_skipped"] = totals.get("conservative_skipped", 0.0) + 1
+                        self.optimizer.zero_grad(set_to_none=True)
+                        continue
                 norm = torch.nn.utils.clip_grad_norm_(self.trainable, p.max_grad_norm)
                 norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
                 grad_norms.append(norm)
                 if math.isfinite(norm):
+                    if lr is not None:
+                        for group in self.optimizer.param_groups:
+                            group["lr"] = lr
                     self.optimizer.step()
                     self.scheduler.step()
+                    if self.adaptive_kl is not None and self.ema is not None:
+                        self.ema.update()
+                        self.adaptive_kl.record(kl)
                 else:  # a non-finite gradient would poison the weights; skip the step and say so
                     totals["nonfinite_grad_steps"] = totals.get("nonfinite_grad_steps", 0.0) + 1
                 self.optimizer.zero_grad(set_to_none=True)
         summary = self._summarise(totals, grad_norms, time.perf_counter() - started)
+        if lr is not None:
+            summary["lr"] = lr
+        if self.adaptive_kl is not None:
+            summary.update(conservative_beta=self.adaptive_kl.beta,
+                           conservative_kl=totals.get("conservative_kl_sum", 0.0) / max(summary["update_tokens"], 1.0),
+                           conservative_skipped=totals.get("conservative_skipped", 0.0))
         if self.critic is not None:
             from stages.rl.critic import summarise_critic
 
@@ -330,7 +359,16 @@ class Learner:
             summary["critic_warmup"] = 1.0
         return summary
 
-    def _backward(self, micro: list[TrainSequence], normaliser: float, scale: float = 1.0) -> dict[str, float]:
+    def _global_sum(self, value: float) -> float:
+        """`value` summed over the ranks (itself when not sharded)."""
+        if not self.distributed:
+            return value
+        found = torch.tensor([value], dtype=torch.float64, device=self.device)
+        torch.distributed.all_reduce(found)
+        return float(found[0])
+
+    def _backward(self, micro: list[TrainSequence], normaliser: float, scale: float = 1.0,
+                  kl_tokens: float = 1.0) -> dict[str, float]:
         # The entropy keeps its graph only when the loss has an entropy bonus; otherwise it is computed without
         # one, chunk by chunk, for update/entropy alone.
         logprobs, entropy = token_logprobs(
@@ -345,6 +383,12 @@ class Learner:
         if self.has_reference and all(s.ref_logprobs is not None for s in micro):
             ref = torch.cat([s.ref_logprobs for s in micro]).to(device)  # type: ignore[misc]
         loss, stats = policy_loss(logprobs, old, advantages, normaliser, self.loss_cfg, ref, entropy, seq_ids)
+        if self.adaptive_kl is not None:  # Pixelis' KL to the pre-update policy, a token mean over the mini-batch
+            from stages.rl.conservative import k3_forward_kl
+
+            kl = k3_forward_kl(logprobs, old)
+            loss = loss + self.adaptive_kl.beta * kl.sum() / kl_tokens
+            stats["conservative_kl_sum"] = float(kl.detach().sum())
         # Each rank's loss is divided by the global normaliser, so the batch's gradient is the ranks' sum; FSDP
         # averages over ranks (with whatever reduction the backend supports), hence the factor `world`.
         (loss * (scale * self.world)).backward()
@@ -416,9 +460,16 @@ class Learner:
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=self._checkpoint_options())
         model_state = self._checkpointed(model_state)
         with _single_process_checkpoint(self.distributed):
-            dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(folder), no_dist=not self.distributed)
+            dcp.save({"model": model_state, "optimizer": optimizer_state, **self._conservative_state()},
+                     checkpoint_id=str(folder), no_dist=not self.distributed)
             if self.critic is not None:
                 dcp.save(self.critic.state(), checkpoint_id=str(critic_folder(folder)), no_dist=not self.distributed)
+
+    def _conservative_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The EMA and beta with its KL window, checkpointed beside the weights so a resumed run goes on alike."""
+        if self.ema is None or self.adaptive_kl is None:
+            return {}
+        return {"ema": self.ema.state(), "adaptive_kl": self.adaptive_kl.state()}
 
     def _checkpoint_options(self) -> Any:
         """With LoRA a checkpoint holds the adapters and their moments only: the frozen base is the --model
@@ -444,9 +495,12 @@ class Learner:
             raise FileNotFoundError(f"{folder}: not a checkpoint of this version (no torch.distributed.checkpoint .metadata)")
         options = self._checkpoint_options()
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=options)
-        state = {"model": self._checkpointed(model_state), "optimizer": optimizer_state}
+        state = {"model": self._checkpointed(model_state), "optimizer": optimizer_state, **self._conservative_state()}
         with _single_process_checkpoint(self.distributed):
             dcp.load(state, checkpoint_id=str(folder), no_dist=not self.distributed)
+        if self.ema is not None and self.adaptive_kl is not None:
+            self.ema.load(state["ema"])
+            self.adaptive_kl.load(state["adaptive_kl"])
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                        options=options)
         self.scheduler = lr_scheduler(self.optimizer, self.params, optimizer_steps_taken(self.optimizer))
@@ -478,7 +532,7 @@ class Learner:
         """The policy's tensors in the engines' dtype, one at a time, for an engine in this process (no transport)."""
         from loupe.rollout.weight_sync import cast_weights
 
-        with torch.no_grad():
+        with torch.no_grad(), self._served():
             yield from cast_weights(self.policy_weights(), manifest)
 
     def sync_address(self) -> tuple[str, int]:
@@ -511,10 +565,19 @@ class Learner:
     def send_weights(self, manifest: list) -> int:
         """Broadcast the policy to the engines, bucket by bucket; every rank walks the tensors (sharded ones
         are gathered collectively), rank 0 sends. Returns the bytes sent."""
-        with torch.no_grad():
+        with torch.no_grad(), self._served():
             return send_weights(getattr(self, "sync_group", None), self.policy_weights(), manifest)
 
+    def _served(self) -> Any:
+        """The weights the engines and the saved model get: the conservative update's EMA when it is on (swapped
+        in for the block), else the trained ones."""
+        return self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext()
+
     def save_model(self, final: Path, model_path: str | Path) -> None:
+        with self._served():
+            self._save_model(final, model_path)
+
+    def _save_model(self, final: Path, model_path: str | Path) -> None:
         """Write the policy as a Hugging Face model directory (weights, config, processor) that eval loads.
 
         The process that writes it renames it into place (rank 0 of a sharded group, after gathering the full

@@ -55,6 +55,37 @@ def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float | None]:
             out[f"reward/{key}"] = _mean(found)
     for reason in END_REASONS:
         out[f"end_reason/{reason}"] = reasons.get(reason, 0) / n
+    out.update(metrics_by_kind(trajectories))
+    return out
+
+
+KIND_KEYS = ("total", "accuracy", "pixelis_task", "pixelis_curiosity", "pixelis_coherence", "pixelis_tool_penalty",
+             "pixelis_curiosity_raw", "pixelis_coherence_raw")
+"""The reward parts reported per kind of question: with several kinds in one set, a term that favours one kind's
+dialogue over another's shows here and not in the step's means (docs/learning.md, Pixelis' reward terms)."""
+
+
+def question_kind(trajectory: Trajectory) -> str:
+    """The question's kind: its task's category (`operations/sign`, `zoom/single`, ...), else its data source."""
+    return str(trajectory.task.get("category") or trajectory.task.get("data_source") or "unknown")
+
+
+def metrics_by_kind(trajectories: list[Trajectory], prefix: str = "by_kind") -> dict[str, float]:
+    """`{prefix}/{kind}/{part}`: each reward part's mean over the valid trajectories of each kind of question
+    (and `{prefix}/{kind}/trajectories`); nothing when the step holds a single kind."""
+    kinds: dict[str, list[Trajectory]] = {}
+    for t in trajectories:
+        kinds.setdefault(question_kind(t), []).append(t)
+    if len(kinds) < 2:
+        return {}
+    out: dict[str, float] = {}
+    for kind, group in sorted(kinds.items()):
+        out[f"{prefix}/{kind}/trajectories"] = float(len(group))
+        for key in KIND_KEYS:
+            found = [float(t.rewards[key]) for t in group
+                     if t.rewards.get(key) is not None and t.rewards.get("valid", True)]
+            if found:
+                out[f"{prefix}/{kind}/{key}"] = mean(found)
     return out
 
 
@@ -140,3 +171,44 @@ def write_plots(rows: list[dict[str, Any]], out_dir: Path) -> None:
         "step",
         "value",
     )
+
+
+def val_row(step: int, trajectories: list[Trajectory], max_turns: int) -> dict[str, Any]:
+    """A validation pass's row: accuracy, reward, turns and end reasons, and accuracy per kind of question."""
+    from loupe.sample_metrics import summarize
+
+    summary = summarize(trajectories, [max_turns])
+    totals = [float(t.rewards["total"]) for t in trajectories if t.rewards.get("total") is not None]
+    by_kind = {k: v for k, v in metrics_by_kind(trajectories, "val/by_kind").items()
+               if k.endswith(("/accuracy", "/trajectories"))}
+    return {
+        **by_kind,
+        "step": step,
+        "kind": "val",
+        "val/accuracy": summary["accuracy"],
+        "val/reward": mean(totals) if totals else None,
+        "val/mean_turns": summary["mean_turns"],
+        "val/valid_turn_rate": summary["valid_turn_rate"],
+        "val/answered": summary["end_reasons"]["answered"],
+        "val/over_turn": summary["end_reasons"]["over_turn"],
+        "val/questions": summary["questions"],
+    }
+
+
+def final_metrics(rows: list[dict[str, Any]], steps: int, seconds: float) -> dict[str, Any]:
+    """`metrics.json`: the first and last training rows' headline figures, the last validation, the best
+    validation accuracy and the mean step time."""
+    train = [r for r in rows if r.get("kind") == "train"]
+    val = [r for r in rows if r.get("kind") == "val"]
+    keys = ("reward/mean", "reward/accuracy", "rollout/turns", "rollout/over_turn_rate", "rollout/response_length",
+            "update/entropy", "update/kl", "update/clip_frac", "update/grad_norm")
+    accuracies = [r["val/accuracy"] for r in val if r.get("val/accuracy") is not None]
+    return {
+        "steps": steps,
+        "first": {k: train[0].get(k) for k in keys} if train else {},
+        "last": {k: train[-1].get(k) for k in keys} if train else {},
+        "val": {k: v for k, v in val[-1].items() if k.startswith("val/")} if val else {},
+        "best_val_accuracy": max(accuracies) if accuracies else None,
+        "mean_step_seconds": mean(r["time/step"] for r in train) if train else None,
+        "seconds_this_run": round(seconds, 2),
+    }

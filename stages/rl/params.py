@@ -150,6 +150,51 @@ class PixelisRewardParams(Section):
         return stages
 
 
+class ConservativeParams(Section):
+    """Pixelis' guardrails on each test-time update (stages/rl/conservative.py; `core/engine/update_worker.py`,
+    `KLConfig`, and `inference_engine.py`, `_calculate_adaptive_lr`, @ 991bb06)."""
+
+    enabled: bool = False
+    """Add beta x KL(pre-update policy || current) to the loss, skip an update whose KL is past `skip_factor` x
+    the target, average the weights (the EMA serves), and set each step's rate from the vote's confidence."""
+    initial_beta: float = Field(0.01, ge=0)
+    """The KL coefficient to start from (`initial_beta` 0.01)."""
+    target_kl: float = Field(0.05, gt=0)
+    """The KL beta steers toward (`target_kl` 0.05): a per-token mean here (the module's docstring)."""
+    tolerance: float = Field(0.01, ge=0)
+    """Beta moves only when the window's mean KL is further than this from the target (`kl_tolerance`)."""
+    increase_factor: float = Field(1.2, ge=1)
+    """Beta's growth when the KL runs high (`beta_increase_factor`)."""
+    decrease_factor: float = Field(1.2, ge=1)
+    """Beta's shrinking when the KL runs low (`beta_decrease_factor`)."""
+    min_beta: float = Field(1e-4, ge=0)
+    """Beta's floor (`min_beta`)."""
+    max_beta: float = Field(1.0, ge=0)
+    """Beta's ceiling (`max_beta`)."""
+    window: int = Field(100, ge=1)
+    """The KLs of the last this many applied updates whose mean moves beta (`kl_window_size`)."""
+    min_history: int = Field(10, ge=1)
+    """Beta moves only once the window holds this many (`_adjust_beta`: 10)."""
+    skip_factor: float = Field(2.0, gt=0)
+    """An update whose KL exceeds this x `target_kl` is not applied (upstream: twice the target)."""
+    ema_decay: float = Field(0.999, ge=0, lt=1)
+    """ema = decay x ema + (1 - decay) x weights after each applied update (`ema_decay` 0.999); the EMA is what
+    the rollouts answer with and what the stage saves."""
+    max_lr: float = Field(1e-4, gt=0)
+    """lr = clip(max_lr x (1 - confidence), min_lr, max_lr) each step (`max_learning_rate` 1e-4); replaces
+    the section's `lr` and schedule."""
+    min_lr: float = Field(1e-6, gt=0)
+    """The rate's floor (`min_learning_rate` 1e-6)."""
+
+    @model_validator(mode="after")
+    def _bounds_in_order(self) -> "ConservativeParams":
+        if self.min_beta > self.max_beta:
+            raise ValueError(f"min_beta {self.min_beta} is above max_beta {self.max_beta}")
+        if self.min_lr > self.max_lr:
+            raise ValueError(f"min_lr {self.min_lr} is above max_lr {self.max_lr}")
+        return self
+
+
 class TTRLParams(Section):
     """Test-time RL (stages/rl/ttrl.py): unlabeled questions, pseudo-labels by vote, confidence-gated updates."""
 
@@ -170,6 +215,8 @@ class TTRLParams(Section):
     """A group trains only when its vote's confidence reaches this (Pixelis' engine: 0.7)."""
     buffer_size: int = Field(10000, ge=1)
     """Pseudo-labelled questions kept for retrieval; the oldest leave first."""
+    conservative: ConservativeParams = ConservativeParams()
+    """Pixelis' conservative update: adaptive KL, the skip, the weight EMA, the confidence-scaled rate."""
 
 
 class CriticParams(Section):

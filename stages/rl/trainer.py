@@ -28,7 +28,6 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from statistics import mean
 from typing import Any
 
 import numpy as np
@@ -40,14 +39,13 @@ from loupe.io import atomic_write_json
 from loupe.tracking import NullRun, StageRun
 from loupe.trajectory import Trajectory
 from loupe.viewer import render_html
-from loupe.sample_metrics import summarize
 from stages.rl import checkpoint as ckpt
 from stages.rl.advantages import compute_advantages, gae, groups_with_signal
 from stages.rl.batching import TrainSequence
 from stages.rl.cluster import absolute_path
 from stages.rl.inputs import Inputs
 from stages.rl.loss import kl_estimate
-from stages.rl.metrics import MetricsLog, peak_device_memory, rollout_metrics, write_plots
+from stages.rl.metrics import MetricsLog, final_metrics, peak_device_memory, rollout_metrics, val_row, write_plots
 from stages.rl.params import RLParams
 from stages.rl.pixelis import PixelisShaper
 from stages.rl.ttrl import PseudoLabeler
@@ -217,6 +215,10 @@ class Trainer:
         # Only the transformers engine generates with the learner's own module; colocated vLLM is a Ray actor on
         # a share of the learner's GPU that sleeps through updates and receives weights like any engine.
         colocated = self.learner.model if p.ray.colocate and i.rollout.engine == "transformers" else None
+        if colocated is not None and p.ttrl.enabled and p.ttrl.conservative.enabled:
+            raise ValueError("rl.ttrl.conservative: the weight EMA reaches the engines through the weight sync, but a "
+                             "colocated transformers engine generates with the trained module itself; set "
+                             "ray.colocate: false")
         precision = getattr(self.learner, "precision", None)  # bf16 on a GPU: the engine generates as the learner computes
         self.workers = WorkerSet(
             str(i.model_path), i.rollout, i.protocol, str(i.tasks_dir), p, i.seed, self.use_ray, colocated_model=colocated,
@@ -330,7 +332,8 @@ class Trainer:
         started = time.perf_counter()
         scorable = trajectories
         if self.ttrl is not None:  # test-time RL: pseudo-labels by vote; an unsure group is not trained
-            self.ttrl_figures, gated = self.ttrl.label(trajectories, group_size, self.step + 1)
+            self.ttrl_figures, gated = self.ttrl.label(trajectories, group_size, self.step + 1,
+                                                       self.inputs.withheld_labels)
             for k in gated:
                 trajectories[k].rewards = {"total": None, "valid": False, "reason": "ttrl: the vote was unsure"}
             scorable = [t for k, t in enumerate(trajectories) if k not in gated]
@@ -442,7 +445,7 @@ class Trainer:
                 for s, a in zip(sequences, advantages):
                     s.advantage = float(a)
             train_policy = not (p.recipe.critic and step <= p.critic.warmup_steps)
-            update = self.learner.update(trained, train_policy=train_policy)
+            update = self.learner.update(trained, train_policy=train_policy, lr=self._conservative_lr())
             if self.workers.sleeps:  # a colocated vLLM is about to take its memory back
                 self.learner.offload_optimizer()
             timing["ahead_wait"] = self._finish_ahead(started_ahead)
@@ -462,6 +465,8 @@ class Trainer:
                             - timing.get("ahead_wait", 0.0))
 
         row: dict[str, Any] = {"step": step, "kind": "train", **rollout_metrics(everything), **self.ttrl_figures}
+        if self.pixelis is not None:
+            row.update({f"pixelis/weight_{k}": v for k, v in self.pixelis.weights(step).items()})
         row.update({f"update/{k}": v for k, v in update.items()})
         step_seconds = time.perf_counter() - started
         processed = sum(len(s) for s in trained) * p.ppo_epochs
@@ -523,19 +528,7 @@ class Trainer:
                                                p.val_temperature)
         for t, rewards in zip(trajectories, self.reward.score(trajectories)):
             t.rewards = rewards
-        summary = summarize(trajectories, [i.max_turns])
-        totals = [float(t.rewards["total"]) for t in trajectories if t.rewards.get("total") is not None]
-        return {
-            "step": step,
-            "kind": "val",
-            "val/accuracy": summary["accuracy"],
-            "val/reward": mean(totals) if totals else None,
-            "val/mean_turns": summary["mean_turns"],
-            "val/valid_turn_rate": summary["valid_turn_rate"],
-            "val/answered": summary["end_reasons"]["answered"],
-            "val/over_turn": summary["end_reasons"]["over_turn"],
-            "val/questions": summary["questions"],
-        }
+        return val_row(step, trajectories, i.max_turns)
 
     def _validate_shown(self, bar: tqdm, step: int) -> dict[str, Any]:
         """`validate`, said on the progress bar while it runs (a pass over the val questions takes a while)."""
@@ -551,6 +544,16 @@ class Trainer:
             extras[TTRL_STATE] = json.dumps(self.ttrl.buffer.state()).encode()
         ckpt.save_checkpoint(self.out_dir, step, self.learner.save_checkpoint, state, self.params.keep_checkpoints,
                              ahead=self.ahead, extras=extras)
+
+    def _conservative_lr(self) -> float | None:
+        """rl.ttrl.conservative's rate for this step, from the mean confidence of the groups the gate let
+        through (stages/rl/conservative.py); None leaves the schedule's."""
+        c = self.params.ttrl.conservative
+        if self.ttrl is None or not c.enabled or "ttrl/kept_confidence" not in self.ttrl_figures:
+            return None
+        from stages.rl.conservative import confidence_lr
+
+        return confidence_lr(self.ttrl_figures["ttrl/kept_confidence"], c.max_lr, c.min_lr)
 
     def _due(self, every: int, step: int) -> bool:
         return bool(every) and (step % every == 0 or step == self.params.steps)
@@ -586,7 +589,7 @@ class Trainer:
                             max_trajectories=p.viewer_trajectories)
         finally:
             self._stop()
-        metrics = self._final_metrics(time.perf_counter() - run_started)
+        metrics = final_metrics(self.log.rows, self.step, time.perf_counter() - run_started)
         atomic_write_json(self.out_dir / "metrics.json", metrics)
         write_plots(self.log.rows, self.out_dir)
         return metrics
@@ -594,22 +597,6 @@ class Trainer:
     def _record(self, row: dict[str, Any]) -> None:
         self.log.append(row)
         self.run.log_metrics({k: v for k, v in row.items() if k not in ("step", "kind") and v is not None}, step=row["step"])
-
-    def _final_metrics(self, seconds: float) -> dict[str, Any]:
-        train = [r for r in self.log.rows if r.get("kind") == "train"]
-        val = [r for r in self.log.rows if r.get("kind") == "val"]
-        keys = ("reward/mean", "reward/accuracy", "rollout/turns", "rollout/over_turn_rate", "rollout/response_length",
-                "update/entropy", "update/kl", "update/clip_frac", "update/grad_norm")
-        accuracies = [r["val/accuracy"] for r in val if r.get("val/accuracy") is not None]
-        return {
-            "steps": self.step,
-            "first": {k: train[0].get(k) for k in keys} if train else {},
-            "last": {k: train[-1].get(k) for k in keys} if train else {},
-            "val": {k: v for k, v in val[-1].items() if k.startswith("val/")} if val else {},
-            "best_val_accuracy": max(accuracies) if accuracies else None,
-            "mean_step_seconds": mean(r["time/step"] for r in train) if train else None,
-            "seconds_this_run": round(seconds, 2),
-        }
 
 
 def _fmt(value: float | None) -> str:

@@ -17,10 +17,10 @@ Upstream:
   experience_buffer.py` (experiences retrieved by k nearest neighbours of their embeddings), and
   `core/engine/update_worker.py` (conservative updates: a KL penalty to the policy before the update, gradient
   clipping at 1.0, an EMA of the weights). Loupe's age is counted in RL steps (`recency_steps` plays the 24 h),
-  its embeddings are the question image's thumbnail and the question's words (`stages.rl.pixelis`), and its
-  conservative update is the confidence gate, the rl stage's KL to the starting policy (`rl.kl.coef`) and its
-  gradient clip (`rl.max_grad_norm`); Pixelis' adaptive KL coefficient and weight EMA are not reproduced
-  (docs/rl.md, "Test-time RL").
+  its embeddings are the question image's thumbnail and the question's words (`stages.rl.pixelis`). Its
+  conservative update is the confidence gate and the gradient clip (`rl.max_grad_norm`). With
+  `rl.ttrl.conservative` on, it adds Pixelis' own: the adaptive KL to the pre-update policy, the skip, the
+  weight EMA and the confidence-scaled rate (stages/rl/conservative.py; docs/rl.md, "Test-time RL").
 """
 
 from __future__ import annotations
@@ -59,6 +59,16 @@ def normalised_answer(trajectory: Trajectory) -> str | None:
     if not (answer or "").strip():
         return None
     return " ".join(answer.strip().lower().split())
+
+
+def normalised_truth(task: dict[str, Any], solution: str | None) -> str | None:
+    """A withheld solution in the votes' form (`normalised_answer`): an option letter, else lowercased words."""
+    if solution is None or not str(solution).strip():
+        return None
+    options = task.get("options")
+    if options:
+        return extract_choice(str(solution), options)
+    return " ".join(str(solution).strip().lower().split())
 
 
 def question_embedding(trajectory: Trajectory) -> np.ndarray:
@@ -156,29 +166,48 @@ class PseudoLabeler:
         self.params = params
         self.buffer = ExperienceBuffer(params.buffer_size)
 
-    def label(self, trajectories: list[Trajectory], group_size: int, step: int) -> tuple[dict[str, float], set[int]]:
+    def label(self, trajectories: list[Trajectory], group_size: int, step: int,
+              withheld: dict[str, str] | None = None) -> tuple[dict[str, float], set[int]]:
         """Write each group's pseudo-label into its samples' task (`solution`); returns the step's figures and
         the indices of the samples whose group the vote was too unsure of to train on (their task keeps
-        `UNLABELED`)."""
+        `UNLABELED`).
+
+        `withheld` (doc_id -> solution) is read for the figures alone: how often the vote's label is the
+        question's true answer, over every labelled group and over those the gate let through."""
         p = self.params
-        confidences, kept = [], 0
+        confidences, kept_confidences, hits = [], [], []
+        right: dict[str, list[float]] = {"all": [], "kept": []}
         gated: set[int] = set()
         for start in range(0, len(trajectories), group_size):
             group = trajectories[start : start + group_size]
             embedding = question_embedding(group[0])
             neighbours = self.buffer.nearest(embedding, p.neighbours, p.min_similarity)
+            hits.append(float(len(neighbours)))
             label, confidence = vote([normalised_answer(t) for t in group], neighbours, step, p.strategy,
                                      p.min_votes, p.recency_steps)
             confidences.append(confidence)
-            if label is None or confidence < p.confidence_gate:
+            passed = label is not None and confidence >= p.confidence_gate
+            truth = normalised_truth(group[0].task, (withheld or {}).get(str(group[0].task.get("doc_id"))))
+            if label is not None and truth is not None:
+                right["all"].append(float(label == truth))
+                if passed:
+                    right["kept"].append(float(label == truth))
+            if not passed:
                 gated.update(range(start, start + len(group)))
             else:
-                kept += 1
+                kept_confidences.append(confidence)
                 for t in group:
                     t.task["solution"] = label
             if label is not None:
                 self.buffer.add(Experience(embedding, label, confidence, step))
         groups = max(1, math.ceil(len(trajectories) / group_size))
         figures = {"ttrl/confidence": float(np.mean(confidences)) if confidences else 0.0,
-                   "ttrl/groups_kept": kept / groups, "ttrl/buffer": float(len(self.buffer.entries))}
+                   "ttrl/groups_kept": len(kept_confidences) / groups, "ttrl/buffer": float(len(self.buffer.entries)),
+                   "ttrl/buffer_hits": float(np.mean(hits)) if hits else 0.0}
+        if kept_confidences:
+            figures["ttrl/kept_confidence"] = float(np.mean(kept_confidences))
+        if right["all"]:
+            figures["ttrl/pseudo_label_accuracy"] = float(np.mean(right["all"]))
+        if right["kept"]:
+            figures["ttrl/kept_label_accuracy"] = float(np.mean(right["kept"]))
         return figures, gated

@@ -524,11 +524,11 @@ class LearnerGroup:
     def values(self, sequences: list[Any]) -> list[torch.Tensor]:
         return self._per_sequence("values", sequences)
 
-    def update(self, sequences: list[Any], train_policy: bool = True) -> dict[str, float]:
+    def update(self, sequences: list[Any], train_policy: bool = True, lr: float | None = None) -> dict[str, float]:
         sequences = self._by_reference(sequences)
         shares, filler = self._shares(sequences), self._filler(sequences)
         try:
-            return self._all("update", shares, [filler] * self.world, same=(train_policy,))[0]
+            return self._all("update", shares, [filler] * self.world, same=(train_policy, lr))[0]
         finally:
             self._image_refs.clear()  # the step is over: let the object store free its images
 
