@@ -6,7 +6,8 @@ repeats and pip refuses anything else (`--require-hashes`, which also fails when
 the lock). Locks are resolved from `requirements.<stack>.in` (which includes `base/requirements.in`); CPU
 locks follow requirements/cpu.txt's versions wherever the CPU stack has the package.
 
-    python containers/locks.py lock  [TARGET...]   re-resolve (pip's resolver, --dry-run --report; installs nothing)
+    python containers/locks.py lock  [TARGET...]   re-resolve (uv, then pip --dry-run --report; installs nothing),
+                                                   keeping the lock's versions that still fit (--upgrade: afresh)
     python containers/locks.py check [TARGET...]   each lock resolves against its index, closed and hash-exact
     python containers/locks.py fetch TARGET --dest DIR   download its wheels for an offline build
     python containers/locks.py list                targets, one a line
@@ -18,6 +19,8 @@ against the image's torch) sit in `<stage>/source-builds.txt`, hash-pinned; `che
 pip resolves, and picks each file and its hash, so the tool that installs the images also locks them, with the
 host's pip configuration (find-links for local wheels). pip cannot override a dependency's declared range,
 so a target with overrides (vLLM 0.33's stack, below) is resolved by uv (`pip install uv`) and hashed by pip.
+A dependency no image can use as declared is replaced by one that installs the same modules (`REPLACED`:
+RapidOCR's opencv-python by OpenCV's headless build).
 `check` needs only pip: each file on the index at its hash, then the lock's closure walked from the inputs
 through every wheel's own requirements (markers for the target's interpreter, extras followed).
 """
@@ -89,6 +92,15 @@ class Target:
         return ["--python-version", self.python, *platforms, "--implementation", "cp", "--abi", abi]
 
 
+REPLACED: tuple[tuple[str, str, str], ...] = (
+    ("opencv-python", "opencv-python-headless",
+     ("OpenCV without its GUI: opencv-python links libGL, GLib and X11, which the slim and vLLM bases lack, and "
+      "vLLM pins the headless build, which a second cv2 would overwrite; RapidOCR declares opencv-python")),
+)
+"""(dependency, replacement, why), in every image: the dependency is left out of resolution (uv's --excludes)
+and the replacement, which installs the same modules, stands in for it. A lock that needs it names the
+replacement in its inputs; CPU locks take the dependency's requirements/cpu.txt version for the replacement,
+and `check` counts the replacement's version against requirements on the dependency."""
 VLLM_OVERRIDES: tuple[tuple[str, str, str], ...] = ()
 """vLLM 0.32.0's declared ranges all resolve on the index (0.33.0 needed a certifi pin)."""
 CPU = {"python": "3.11", "platform": "manylinux_2_36_x86_64", "follow_cpu_stack": True}
@@ -176,6 +188,10 @@ def _constraints(target: Target, workdir: Path) -> list[str]:
                 own.add(canonical(match.group(1)))
     kept = [line for line in CPU_STACK_LOCK.read_text().splitlines()
             if not (m := _PIN.match(line.strip())) or canonical(m.group(1)) not in own]
+    # A replacement at the version the venv has of what it replaces (opencv-python-headless at opencv-python's).
+    venv = {canonical(m.group(1)): m.group(3) for line in kept if (m := _PIN.match(line.strip()))}
+    kept += [f"{replacement}=={venv[dependency]}" for dependency, replacement, _ in REPLACED
+             if dependency in venv and replacement not in venv and replacement not in own]
     path = workdir / "constraints.txt"
     path.write_text("\n".join(kept) + "\n")
     return ["-c", str(path)]
@@ -206,8 +222,11 @@ def _find_links() -> list[str]:
     return [arg for link in dict.fromkeys(links) for arg in ("--find-links", link)]
 
 
-def resolve_versions(target: Target, workdir: Path) -> dict[str, str]:
+def resolve_versions(target: Target, workdir: Path, upgrade: bool = False) -> dict[str, str]:
     """{name: version} resolving target's inputs, by uv (from PATH: `pip install uv`).
+
+    The current lock's versions are preferred (uv keeps what an existing output file pins wherever the inputs
+    allow), so adding a package moves nothing else; `upgrade` resolves afresh, to the newest the inputs allow.
 
     uv rather than pip's resolver: pip needs --only-binary=:all: to resolve for another interpreter or
     platform, which rules out source-only dependencies (LLaMA-Factory's omegaconf needs antlr4's sdist),
@@ -218,9 +237,14 @@ def resolve_versions(target: Target, workdir: Path) -> dict[str, str]:
         raise RuntimeError("locking needs uv on PATH (`pip install uv`); checking and fetching need only pip")
     overrides = workdir / "overrides.txt"
     overrides.write_text("".join(f"{name}=={version}\n" for name, version, _ in target.overrides))
+    excludes = workdir / "excludes.txt"
+    excludes.write_text("".join(f"{dependency}\n" for dependency, _, _ in REPLACED))
     out = workdir / "resolved.txt"
+    if not upgrade and target.lock.is_file():
+        out.write_text("".join(f"{name}=={version}\n" for name, (version, _) in read_lock(target.lock).items()))
     result = subprocess.run(
-        [uv, "pip", "compile", str(target.source), "--overrides", str(overrides), "--python-version",
+        [uv, "pip", "compile", str(target.source), "--overrides", str(overrides), "--excludes", str(excludes),
+         "--python-version",
          target.python, "--python-platform", f"x86_64-{target.platform.removesuffix('_x86_64')}", "--no-header",
          "--quiet", "--no-annotate", "--output-file", str(out), *_find_links(), *_constraints(target, workdir)],
         text=True, capture_output=True, check=False)
@@ -229,17 +253,20 @@ def resolve_versions(target: Target, workdir: Path) -> dict[str, str]:
     return {canonical(m.group(1)): m.group(3) for line in out.read_text().splitlines() if (m := _PIN.match(line))}
 
 
-def lock(target: Target) -> Path:
-    """Resolve target's inputs and write its lock file: each package's version and the hash of its file."""
+def lock(target: Target, upgrade: bool = False) -> Path:
+    """Resolve target's inputs and write its lock file: each package's version and the hash of its file
+    (the current lock's versions kept where the inputs allow, unless `upgrade`)."""
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        pins = resolve_versions(target, work)
+        pins = resolve_versions(target, work, upgrade)
         # pip picks the one file it would install for the image's interpreter and platform.
         items = _select_files(target, [f"{name}=={version}" for name, version in pins.items()], work)
     lines = [
         f"# Generated by `python containers/locks.py lock {target.name}` from {target.source.name}; do not edit.",
         f"# For CPython {target.python} on {target.platform}; install with --require-hashes --no-deps.",
         *(f"# override: {name}=={version} ({why})" for name, version, why in target.overrides),
+        *(f"# replaced: {dependency} by {replacement} (containers/locks.py REPLACED)"
+          for dependency, replacement, _ in REPLACED if replacement in pins),
         f"# inputs: {inputs_digest(target)}",
     ]
     for item in sorted(items, key=lambda i: canonical(i["metadata"]["name"])):
@@ -271,6 +298,7 @@ def unmet_requirements(target: Target, metadata: dict[str, dict]) -> list[str]:
            "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
            "implementation_name": "cpython", "platform_python_implementation": "CPython"}
     overridden = {canonical(name): version for name, version, _ in target.overrides}
+    standing_in = {canonical(dependency): canonical(replacement) for dependency, replacement, _ in REPLACED}
     problems, seen = [], set()
     # (requirement, who wants it, whether its marker still needs evaluating): a dependency reached through an
     # extra had its marker (`extra == "..."`) evaluated with that extra already.
@@ -280,6 +308,8 @@ def unmet_requirements(target: Target, metadata: dict[str, dict]) -> list[str]:
         if evaluate and req.marker is not None and not req.marker.evaluate({**env, "extra": ""}):
             continue
         name = canonical(req.name)
+        if name not in metadata and standing_in.get(name) in metadata:
+            name = standing_in[name]  # the replacement's version is checked against the dependency's range
         if name not in metadata:
             problems.append(f"{wanted_by} needs {req}, which the lock lacks")
             continue
@@ -343,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("lock", "check"):
         cmd = sub.add_parser(name)
         cmd.add_argument("targets", nargs="*", help="default: every target")
+        if name == "lock":
+            cmd.add_argument("--upgrade", action="store_true",
+                             help="resolve afresh (by default the current lock's versions are kept where they fit)")
     fetch_cmd = sub.add_parser("fetch")
     fetch_cmd.add_argument("target", choices=list(TARGETS))
     fetch_cmd.add_argument("--dest", type=Path, required=True)
@@ -362,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.targets or list(TARGETS):
         target = TARGETS[name]
         if args.command == "lock":
-            path = lock(target)
+            path = lock(target, args.upgrade)
             print(f"{name}: {len(read_lock(path))} packages -> {path.relative_to(ROOT)}")
         else:
             problems = check(target)

@@ -33,12 +33,12 @@ from PIL import Image
 
 @cache
 def _zlib() -> Any:
-    """zlib-ng where installed (the CPU stack pins it), else the standard library's zlib: the same streams.
-    Imported at the first PNG, not with this module: loupe.rewards reaches it through loupe.images, and the
-    stage images, whose locks do not hold zlib-ng yet, import the rewards too."""
+    """zlib-ng where installed (the CPU stack and every stage image pin it), else the standard library's zlib: the
+    same streams. Imported at the first PNG, not with this module: loupe.rewards reaches it through loupe.images,
+    and an environment without zlib-ng (the vLLM test venv) imports the rewards too."""
     try:
         from zlib_ng import zlib_ng
-    except ImportError:  # pragma: no cover - the stage images
+    except ImportError:  # pragma: no cover - environments without zlib-ng
         return _stdlib_zlib
     return zlib_ng
 

@@ -9,6 +9,10 @@
 - the eval image serves (`loupe serve`, docs/containers.md "Serving"): both its locks declare the server's packages,
   its Dockerfile ships the `loupe` command and exposes serve's port, and the server answers a chat completion
   here with every package missing from those locks made unimportable;
+- the visual operations (RapidOCR's `read_text`, OpenCV's segmentation and tracking) are in every lock of the images
+  that run rollouts (synth, rl, eval: importing each stage's modules says which), and give their known results,
+  `read_text` the drawn sign's text, with every package outside those locks made unimportable
+  (tests/visual_ops_cases.py, which test_containers_slow.py also runs inside the built images);
 - `loupe stage` builds the container command a local run's outputs need (mounts, user, variables, GPUs) and
   really execs it (a recording stand-in for podman/docker on PATH), or the stage itself when run locally.
 The builds, the runs inside the images and the lock checks against the index are in test_containers_slow.py.
@@ -130,6 +134,24 @@ def test_closure_check_finds_missing_and_mismatched_dependencies(tmp_path, monke
     overridden = locks.Target("x", "cpu", python="3.12", platform="manylinux_2_35_x86_64", follow_cpu_stack=False,
                               overrides=(("lib", "1.9", "why"),))
     assert locks.unmet_requirements(overridden, wrong) == []
+
+
+def test_closure_check_counts_a_replacement_for_what_it_replaces(tmp_path, monkeypatch):
+    """RapidOCR declares opencv-python; the images lock OpenCV's headless build in its place (locks.REPLACED), whose
+    version must still meet RapidOCR's range, and without either the lock is not closed."""
+    source = tmp_path / "requirements.cpu.in"
+    source.write_text("rapidocr-onnxruntime\n")
+    target = locks.Target("x", "cpu", python="3.11", platform="manylinux_2_36_x86_64", follow_cpu_stack=False)
+    monkeypatch.setattr(locks.Target, "source", property(lambda self: source))
+    assert ("opencv-python", "opencv-python-headless") in [(d, r) for d, r, _ in locks.REPLACED]
+    rapidocr = ("1.4.4", ["opencv-python>=4.5.1.48", "numpy<3"])
+    headless = _metadata(**{"rapidocr-onnxruntime": rapidocr, "opencv-python-headless": ("5.0.0.93", []),
+                            "numpy": ("2.4.6", [])})
+    assert locks.unmet_requirements(target, headless) == []
+    old = {**headless, "opencv-python-headless": {"version": "4.5.1.47", "requires_dist": []}}
+    assert any("opencv-python>=4.5.1.48" in p and "4.5.1.47" in p for p in locks.unmet_requirements(target, old))
+    neither = {k: v for k, v in headless.items() if k != "opencv-python-headless"}
+    assert any("opencv-python" in p and "lacks" in p for p in locks.unmet_requirements(target, neither))
 
 
 def test_pip_target_args_cover_older_manylinux_tags():
@@ -318,6 +340,109 @@ def test_serving_runs_with_only_the_eval_images_packages():
     assert run["body"]["object"] == "chat.completion" and run["body"]["choices"][0]["message"]["content"] == "red"
     assert {"fastapi", "starlette", "uvicorn", "pydantic", "pillow"} <= set(run["used"])
     assert set(run["used"]) <= set(allowed), sorted(set(run["used"]) - set(allowed))
+
+
+# --- the visual operations, in the images that run rollouts -----------------------------------------------
+
+OPERATION_STAGES = ("synth", "rl", "eval")
+"""The stages that run rollouts, and so the visual operations (loupe.rollout.loop registers them with the crop):
+synth's teachers, rl (its test-time RL, `ttrl`, too: it runs in the rl image) and eval (`loupe serve` too)."""
+OPERATION_TARGETS = tuple(name for name, target in locks.TARGETS.items() if target.stage in OPERATION_STAGES)
+OPERATION_PACKAGES = ("rapidocr-onnxruntime", "opencv-python-headless")
+"""What containers/base/visual-ops.in names: RapidOCR (which brings ONNX Runtime, Shapely and pyclipper) and
+OpenCV's headless build, standing in for the opencv-python RapidOCR declares (locks.REPLACED)."""
+
+STAGE_CHILD = r"""
+import importlib, pkgutil, sys
+package = importlib.import_module(sys.argv[1])
+for module in pkgutil.iter_modules(package.__path__):
+    importlib.import_module(f"{sys.argv[1]}.{module.name}")
+print("loupe.visual_ops" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_the_stages_that_run_the_visual_operations(stage):
+    """Importing every module of a stage registers the visual operations exactly for OPERATION_STAGES, so a stage
+    that starts running rollouts (or stops) shows here, and the lock checks below follow it."""
+    result = subprocess.run([sys.executable, "-c", STAGE_CHILD, f"stages.{stage}"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == str(stage in OPERATION_STAGES), stage
+
+
+def test_operation_images_lock_what_the_operations_need():
+    """Each lock of an image that runs rollouts pins and names RapidOCR and OpenCV's headless build, never a second
+    OpenCV (two wheels writing one cv2/), and the CPU locks hold OpenCV at the CPU venv's version of it."""
+    cpu_venv = {locks.canonical(m.group(1)): m.group(3) for line in locks.CPU_STACK_LOCK.read_text().splitlines()
+                if (m := locks._PIN.match(line))}
+    replaced = {dependency: replacement for dependency, replacement, _ in locks.REPLACED}
+    assert OPERATION_TARGETS == ("synth-cpu", "rl-cpu", "eval-cpu", "rl-gpu", "eval-gpu")
+    for name in OPERATION_TARGETS:
+        target = locks.TARGETS[name]
+        pins = {package: version for package, (version, _) in locks.read_lock(target.lock).items()}
+        declared = {locks.canonical(root.name) for root in locks._roots(target)}
+        for package in (*OPERATION_PACKAGES, "onnxruntime", "shapely", "pyclipper"):
+            assert package in pins, f"{name}: {package} is not in {target.lock.name}"
+        for package in OPERATION_PACKAGES:
+            assert package in declared, f"{name}: {package} is pinned only as another package's dependency"
+        assert pins["rapidocr-onnxruntime"] == cpu_venv["rapidocr-onnxruntime"] == "1.4.4"
+        assert not set(replaced) & set(pins), f"{name}: {sorted(set(replaced) & set(pins))} beside its replacement"
+        if target.follow_cpu_stack:
+            assert pins["opencv-python-headless"] == cpu_venv["opencv-python"], name
+
+
+@pytest.fixture(scope="module")
+def operation_runs(tmp_path_factory) -> dict[str, dict]:
+    """tests/visual_ops_cases.py run here twice, each in a fresh interpreter: with every package that is not in all
+    the operation images' locks made unimportable (`in the images`), and with RapidOCR's made so too (`without
+    rapidocr-onnxruntime`). A replaced dependency counts as locked where its replacement is (cv2 is
+    opencv-python's here, opencv-python-headless's in the images). About 10 s."""
+    from importlib.metadata import packages_distributions
+
+    locked = set.intersection(*(set(locks.read_lock(locks.TARGETS[name].lock)) for name in OPERATION_TARGETS))
+    allowed = locked | {dependency for dependency, replacement, _ in locks.REPLACED if replacement in locked}
+    allowed |= {"loupe"}
+    owners = packages_distributions()
+    runs = {"allowed": sorted(allowed)}
+    for label, keep in (("in the images", allowed.__contains__),
+                        ("without rapidocr-onnxruntime", lambda d: d in allowed and d != "rapidocr-onnxruntime")):
+        blocked = tmp_path_factory.mktemp("ops") / "blocked.json"
+        blocked.write_text(json.dumps(sorted(grader_cases.modules_of(owners, keep))))
+        result = subprocess.run([sys.executable, "tests/visual_ops_cases.py", str(blocked)], cwd=ROOT,
+                                capture_output=True, text=True, timeout=300, check=False)
+        assert result.returncode == 0, f"{label}: {result.stderr[-3000:]}"
+        runs[label] = json.loads(result.stdout.strip().splitlines()[-1])
+    return runs
+
+
+def test_the_operations_run_with_only_the_operation_images_packages(operation_runs):
+    """Every operation gives its known result (`read_text` reads the drawn sign) with every package outside the
+    operation images' locks unimportable, and what the operations imported (RapidOCR, ONNX Runtime, OpenCV,
+    Shapely, pyclipper among it) is in every one of those locks: a package they need that an image lacks fails
+    here, not at an image's first read_text."""
+    import visual_ops_cases  # tests/visual_ops_cases.py
+
+    run = operation_runs["in the images"]
+    assert not run["errors"], run["errors"]
+    assert run["results"] == visual_ops_cases.EXPECTED
+    used = {name for entry in run["distributions"] for name in entry.split("|")}
+    assert {"rapidocr-onnxruntime", "onnxruntime", "opencv-python", "shapely", "pyclipper"} <= used
+    outside = [entry for entry in run["distributions"]
+               if not any(name in operation_runs["allowed"] for name in entry.split("|"))]
+    assert not outside, f"the visual operations import {outside}, missing from {', '.join(OPERATION_TARGETS)}"
+
+
+def test_without_rapidocr_read_text_says_what_to_install(operation_runs):
+    """The blocking is real (the check above checks something): without RapidOCR, read_text raises naming it and
+    the other operations still give their results."""
+    import visual_ops_cases
+
+    run = operation_runs["without rapidocr-onnxruntime"]
+    assert set(run["errors"]) == {"read_text", "read_text (empty corner)"}
+    assert "read_text needs RapidOCR" in run["errors"]["read_text"]
+    assert run["results"] == {k: v for k, v in visual_ops_cases.EXPECTED.items() if not k.startswith("read_text")}
+    assert "rapidocr-onnxruntime" not in run["distributions"]
 
 
 # --- the launcher -------------------------------------------------------------------------------------------

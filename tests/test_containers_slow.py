@@ -1,7 +1,8 @@
 """Slow: the images for real. Build the synth and eval images with podman, run both stages inside them on the
 tiny model, and compare every output with a local run's; build the rl image and score one case per preset in the
 image that scores it (tests/grader_cases.py: the rl image for the RL sections, the eval image for eval), each case
-needing its rule's grader; serve the tiny model from the eval image (`loupe serve`, as docs/containers.md runs it)
+needing its rule's grader; run every visual operation (`read_text` on a drawn sign among them) inside the synth, rl
+and eval images (tests/visual_ops_cases.py); serve the tiny model from the eval image (`loupe serve`, as docs/containers.md runs it)
 and ask it a question from the host; check every lock file against its package index.
 
     .venv/bin/python -m pytest tests/test_containers_slow.py -m slow -q
@@ -190,6 +191,25 @@ def test_each_preset_scores_in_the_image_that_scores_it(image, request, tmp_path
         assert set(c.graders) <= set(run["distributions"]), (c.id, c.graders, run["distributions"])
     if image == "rl":
         assert {c.preset for c in cases} == {c.preset for c in grader_cases.CASES}
+
+
+@pytest.mark.parametrize("image", ["synth", "rl", "eval"])
+def test_the_visual_operations_run_in_each_image_that_runs_rollouts(image, request):
+    """tests/visual_ops_cases.py inside each image that runs rollouts (synth's teachers, rl and its ttrl, eval),
+    with no network, as the caller, on the image's own code and stack: `read_text` reads the drawn sign with the
+    RapidOCR models inside the image's wheel, and every other operation gives its known result on the image's
+    OpenCV (the headless build, which needs no libGL)."""
+    import visual_ops_cases  # tests/visual_ops_cases.py
+
+    request.getfixturevalue("rl_image" if image == "rl" else "images")
+    result = _run(["podman", "run", "--rm", "--network", "none", "--user", f"{os.getuid()}:{os.getgid()}",
+                   "--volume", f"{ROOT}:{ROOT}:ro", "--workdir", str(ROOT), "--entrypoint", "python",
+                   f"loupe-{image}:latest", "tests/visual_ops_cases.py"], timeout=600)
+    run = json.loads(result.stdout.strip().splitlines()[-1])
+    assert not run["errors"], f"loupe-{image}: {run['errors']}"
+    assert run["results"]["read_text"] == [visual_ops_cases.SIGN]
+    assert run["results"] == visual_ops_cases.EXPECTED
+    assert {"rapidocr-onnxruntime", "onnxruntime", "opencv-python-headless"} <= set(run["distributions"])
 
 
 # --- serving from the eval image ------------------------------------------------------------------------------

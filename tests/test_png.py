@@ -103,7 +103,8 @@ def test_a_damaged_stream_behind_intact_checksums_is_an_image_error(tmp_path):
 
 
 def test_without_zlib_ng_the_standard_librarys_zlib_writes_and_reads_the_same_files(monkeypatch):
-    """The stage images do not hold zlib-ng: the same bytes out, the same pixels back."""
+    """Where zlib-ng is missing (the vLLM test venv; the stage images hold it, containers/base/requirements.in):
+    the same bytes out, the same pixels back."""
     image = _canvas(2, (120, 80))
     with_installed = encode_png(image)
     monkeypatch.setattr(png, "_zlib", lambda: zlib)

@@ -11,7 +11,8 @@
 #     3. on the gpu stack, source-builds.txt (source-only packages such as flash-attn), built with
 #        --no-build-isolation against the image's torch;
 #     4. the non-root user `loupe` (uid 10001, clashing with no base image's users).
-#   install.sh project STAGE         the project's code, copied to /opt/loupe-build/src, installed, removed.
+#   install.sh project STAGE         the project's code, copied to /opt/loupe-build/src, installed, removed;
+#     where the lock holds RapidOCR (the images that run rollouts), OpenCV and RapidOCR's models are loaded once.
 #
 # The lock, source-builds.txt and this script are copied to /opt/loupe-build/ first; wheels are mounted, never
 # copied into a layer, so one image stage leaves nothing behind that a multi-stage build would have to drop.
@@ -50,6 +51,11 @@ stack)
 project)
     # shellcheck disable=SC2086
     $pip install --no-index --no-deps --no-build-isolation "$build/src"
+    if grep -qs '^rapidocr-onnxruntime==' "$build"/requirements.*.lock; then
+        # An image that runs rollouts holds the visual operations (base/visual-ops.in): OpenCV imported and
+        # RapidOCR's models loaded once, so a library the base lacks fails the build, not the first read_text.
+        (cd / && /opt/loupe/bin/python -c "import cv2, loupe.visual_ops as ops; ops.ocr_engine(); print('install: OpenCV', cv2.__version__, 'and RapidOCR load')")
+    fi
     rm -rf "$build"
     (cd / && /opt/loupe/bin/python -c "import loupe, stages.$stage; print('install: loupe', loupe.__version__)")
     ;;
