@@ -175,7 +175,9 @@ def test_the_total_is_replaced_and_the_state_round_trips():
 
 
 def test_normalisation_starts_at_the_tenth_value():
-    shaper = PixelisShaper(pixelis_params(weights={"task": 1.0, "curiosity": 0.0, "coherence": 0.0}))
+    """Upstream's order: each value joins the statistics, then is z-scored; from the 10th on."""
+    shaper = PixelisShaper(pixelis_params(weights={"task": 1.0, "curiosity": 0.0, "coherence": 0.0},
+                                          statistics_update="trajectory"))
     totals = []
     for k in range(12):
         t = dialogue([ZOOM])
@@ -184,3 +186,30 @@ def test_normalisation_starts_at_the_tenth_value():
         totals.append(t.rewards["total"])
     assert totals[:9] == [float(k % 2) for k in range(9)]
     assert totals[9] != 1.0 and -3.0 <= totals[9] <= 3.0
+
+
+@pytest.mark.parametrize("order", ["step", "trajectory"])
+def test_a_group_of_equal_rewards_gets_no_advantage_only_with_statistics_updated_by_step(order):
+    """After 20 warm-up values, a step of 8 correct answers to one question (a GRPO group). With the statistics
+    updated after the step, they get one total, so GRPO gives them no advantage. In upstream's order the running
+    mean moves between them: eight different totals, and GRPO's division by their small std makes advantages
+    of about +-1 out of the drift alone."""
+    from stages.rl.advantages import compute_advantages
+
+    shaper = PixelisShaper(pixelis_params(weights={"task": 1.0, "curiosity": 0.0, "coherence": 0.0},
+                                          statistics_update=order))
+    for k in range(20):
+        t = dialogue([ZOOM])
+        t.rewards = {"total": float(k % 2)}
+        shaper.shape([t], step=1)
+    group = [dialogue([ZOOM]) for _ in range(8)]
+    for t in group:
+        t.rewards = {"total": 1.0}
+    shaper.shape(group, step=2)
+    totals = [t.rewards["total"] for t in group]
+    advantages = compute_advantages(totals, ["g"] * 8, "grpo", [True] * 8)
+    if order == "step":
+        assert len(set(totals)) == 1 and max(abs(a) for a in advantages) == 0.0
+        assert shaper.stats["task"].count == 28  # the step's values joined after it
+    else:
+        assert len(set(totals)) == 8 and max(abs(a) for a in advantages) > 1.0

@@ -135,6 +135,13 @@ class PixelisRewardParams(Section):
     """Stages `{step, weights}` in step order; empty: `weights` throughout."""
     normalize: bool = True
     """Z-score each term by its running statistics (`normalize_rewards`, on upstream)."""
+    statistics_update: Literal["step", "trajectory"] = "step"
+    """When the running statistics take in new values. `step`: every trajectory of a step is z-scored with the
+    statistics as they were before the step, which then take in the step's values in order. `trajectory`:
+    upstream's order (`calculate_reward` updates them before z-scoring each value). With `trajectory`, a GRPO
+    group of equal rewards gets z-scores that differ by the sample's position, as the mean moves between them,
+    and dividing by the group's std turns that drift into advantages of about +-1: on the operations twin,
+    RL then unlearnt the operations (docs/learning.md, "Pixelis' reward terms, kind by kind")."""
     clip: float = Field(10.0, gt=0)
     """The total is clipped to +-clip (`reward_clip_value`)."""
     curiosity: PixelisCuriosityParams = PixelisCuriosityParams()

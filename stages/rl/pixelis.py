@@ -13,7 +13,10 @@ Upstream: ClayKa/Pixelis @ 08a98fe, `core/modules/reward_shaping.py`:
 - **combination** (`RewardOrchestrator.calculate_reward`): each of task, curiosity and coherence z-scored by
   running statistics (an exponential moving average with weight 0.01, std at least 0.1, used from the 10th
   value on, clipped to +-3), weighted by the curriculum, the penalty added unweighted, the total clipped to
-  +-`clip`.
+  +-`clip`. Upstream updates the statistics before z-scoring each value; Loupe by default z-scores a step's
+  trajectories with the statistics from before the step and updates them after it
+  (`rl.pixelis.statistics_update`). In upstream's order, equal rewards within a GRPO group get different
+  z-scores, and the group's std turns that drift into advantages.
 - **curriculum** (`_get_curriculum_weights`): task weight `weights.task` from the start, curiosity and
   coherence 0; each stage `{step: N, weights: {...}}` whose step is reached overrides the weights it names.
 
@@ -146,13 +149,21 @@ class RunningStat:
     def __init__(self) -> None:
         self.mean, self.std, self.count = 0.0, 1.0, 0
 
-    def update_and_normalise(self, value: float) -> float:
+    def update(self, value: float) -> None:
         self.count += 1
         self.mean = 0.99 * self.mean + 0.01 * value
         self.std = max(math.sqrt(0.99 * self.std**2 + 0.01 * (value - self.mean) ** 2), 0.1)
+
+    def normalise(self, value: float) -> float:
+        """The value z-scored by the statistics as they are (raw until 10 values are in)."""
         if self.count < 10:
             return value
         return float(np.clip((value - self.mean) / self.std, -3.0, 3.0))
+
+    def update_and_normalise(self, value: float) -> float:
+        """Upstream's order: the value joins the statistics, then is z-scored by them."""
+        self.update(value)
+        return self.normalise(value)
 
 
 class PixelisShaper:
@@ -182,6 +193,8 @@ class PixelisShaper:
         p = self.params
         weights = self.weights(step)
         transitions: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        per_step = p.normalize and p.statistics_update == "step"
+        seen: list[dict[str, float]] = []
         for t in trajectories:
             states, actions = step_embeddings(t), action_vectors(t)
             pairs = [(states[i], actions[i], states[i + 1]) for i in range(min(len(actions), len(states) - 1))]
@@ -197,13 +210,20 @@ class PixelisShaper:
             penalty = tool_penalty(steps, p.penalties.misuse, p.penalties.excessive_threshold, p.penalties.excessive)
             task = float(t.rewards["total"])
             parts = {"task": task, "curiosity": curiosity, "coherence": coherence}
-            if p.normalize:
+            seen.append(dict(parts))
+            if per_step:
+                parts = {k: self.stats[k].normalise(v) for k, v in parts.items()}
+            elif p.normalize:
                 parts = {k: self.stats[k].update_and_normalise(v) for k, v in parts.items()}
             total = sum(weights[k] * parts[k] for k in parts) + penalty
             t.rewards.update({"pixelis_task": parts["task"], "pixelis_curiosity": parts["curiosity"],
                               "pixelis_coherence": parts["coherence"], "pixelis_tool_penalty": penalty,
                               "pixelis_curiosity_raw": curiosity, "pixelis_coherence_raw": coherence,
                               "total": float(np.clip(total, -p.clip, p.clip))})
+        if per_step:  # the step's values join the statistics only now (PixelisRewardParams.statistics_update)
+            for parts in seen:
+                for k, v in parts.items():
+                    self.stats[k].update(v)
         if transitions:
             s, a, n = (torch.tensor(np.stack(x)) for x in zip(*transitions))
             self.optimizer.zero_grad()
