@@ -109,5 +109,14 @@ def test_the_pixelis_operations_twin_runs_every_operation_and_learns_which_to_ca
     assert results, "no operation's result reached the model"
     evaluation = json.loads((work / "eval" / "metrics.json").read_text())
     assert evaluation["synthetic"]["sft"]["accuracy_ci_low"] > evaluation["synthetic"]["chance_rate"]
+    # Issue 45's bar, kind by kind on the 200 held-out questions: SFT at least twice each kind's chance (its
+    # answers are balanced: 1 / its answer count), and RL keeping every kind within SFT's interval.
+    from benchmarks.kind_table import kind_accuracies
+
+    sft, rl = (kind_accuracies(work / "eval" / model / "results.jsonl") for model in ("sft", "rl"))
+    chance = {"zoom": 1 / 4, "sign": 1 / 4, "shape": 1 / 3, "motion": 1 / 4}
+    for kind, rate in chance.items():
+        assert sft[kind]["accuracy"] >= 2 * rate, f"SFT {kind}: {sft[kind]}"
+        assert rl[kind]["accuracy"] >= sft[kind]["low"], f"RL {kind} fell out of SFT's interval: {rl[kind]} vs {sft[kind]}"
     print(f"\npixelis-operations-cpu: right operation {right / len(asked):.2f}; "
           f"{json.dumps({m: evaluation['synthetic'][m]['accuracy'] for m in evaluation['models']})}")
