@@ -92,3 +92,16 @@ def crash_at_step_3(params: Path, model: Path, tasks: Path, out: Path, monkeypat
     with pytest.raises(RuntimeError, match="simulated crash"):
         rl_main.train(params, model, tasks, out, progress=False)
     return real_step
+
+
+@pytest.fixture
+def votes_by_first_letter(monkeypatch):
+    """Test-time RL's vote on the toy (import this fixture to use it): the untrained tiny model writes no
+    `<answer>`, so a sample's vote is the first option letter in its last turn."""
+    import stages.rl.ttrl as ttrl
+
+    def first_letter(trajectory):
+        text = next(t.text for t in reversed(trajectory.turns) if t.role == "assistant")
+        return next((c for c in text if c in "ABCD"), None)
+
+    monkeypatch.setattr(ttrl, "normalised_answer", first_letter)

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from rl_helpers import make_toy_tasks, one_torch_thread, write_params  # noqa: F401 (autouse fixture)
+from rl_helpers import make_toy_tasks, one_torch_thread, votes_by_first_letter, write_params  # noqa: F401 (fixtures)
 from stages.rl.conservative import AdaptiveKL, WeightEMA, confidence_lr, k3_forward_kl
 from stages.rl.params import ConservativeParams, RLParams
 
@@ -91,22 +91,15 @@ def test_bounds_out_of_order_are_refused():
         ConservativeParams(min_beta=2.0)
 
 
-def test_the_stage_applies_all_four_rules(tiny_model_dir, tmp_path, monkeypatch):
+def test_the_stage_applies_all_four_rules(tiny_model_dir, tmp_path, monkeypatch, votes_by_first_letter):
     """Test-time RL with the conservative update on the toy: each step's rate is the vote's (gate 0, so
     every group votes), a huge KL skips the mini-batches after the first, the saved model is the EMA (not the
     trained weights) and a checkpoint carries beta and the EMA. The untrained tiny model writes no `<answer>`,
     so a sample's vote is the first option letter in its text (as in tests/test_ttrl.py)."""
     from safetensors.torch import load_file
 
-    import stages.rl.ttrl as ttrl
     from stages.rl.inputs import read_inputs
     from stages.rl.trainer import Trainer
-
-    def first_letter(trajectory):
-        text = next(t.text for t in reversed(trajectory.turns) if t.role == "assistant")
-        return next((c for c in text if c in "ABCD"), None)
-
-    monkeypatch.setattr(ttrl, "normalised_answer", first_letter)
 
     toy = make_toy_tasks(tmp_path / "toy")
     params = write_params(tmp_path / "params.yaml", {

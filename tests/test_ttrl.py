@@ -20,7 +20,7 @@ from stages.rl.ttrl import (
     unlabeled,
     vote,
 )
-from rl_helpers import make_toy_tasks, one_torch_thread, write_params  # noqa: F401 (autouse fixture)
+from rl_helpers import make_toy_tasks, one_torch_thread, votes_by_first_letter, write_params  # noqa: F401 (fixtures)
 
 
 def sample(answer: str | None, problem: str = "What colour?", options: list[str] | None = None) -> Trajectory:
@@ -93,19 +93,12 @@ def test_questions_are_read_without_their_labels():
     assert [t.solution for t in unlabeled(tasks)] == [UNLABELED] and tasks[0].solution == "4"
 
 
-def test_the_rl_stage_trains_on_votes_without_labels(tiny_model_dir, tmp_path, monkeypatch):
+def test_the_rl_stage_trains_on_votes_without_labels(tiny_model_dir, tmp_path, votes_by_first_letter):
     """The stage reads its questions without their solutions, labels each group by vote, trains on agreement
     (the toy's reward: the label's letter in the response) and keeps its buffer in each checkpoint. The untrained
     tiny model writes no `<answer>`, so a sample's vote here is the first option letter in its text."""
-    import stages.rl.ttrl as ttrl
     from stages.rl.inputs import read_inputs
     from stages.rl.trainer import Trainer
-
-    def first_letter(trajectory):
-        text = next(t.text for t in reversed(trajectory.turns) if t.role == "assistant")
-        return next((c for c in text if c in "ABCD"), None)
-
-    monkeypatch.setattr(ttrl, "normalised_answer", first_letter)
 
     toy = make_toy_tasks(tmp_path / "toy")
     params = write_params(tmp_path / "params.yaml", {
