@@ -17,6 +17,7 @@ from typing import Any
 
 from loupe.io import atomic_write_json, atomic_write_text
 from loupe.plots import line_plot
+from loupe.sample_metrics import summarize
 from loupe.trajectory import END_REASONS, Trajectory
 
 
@@ -175,8 +176,6 @@ def write_plots(rows: list[dict[str, Any]], out_dir: Path) -> None:
 
 def val_row(step: int, trajectories: list[Trajectory], max_turns: int) -> dict[str, Any]:
     """A validation pass's row: accuracy, reward, turns and end reasons, and accuracy per kind of question."""
-    from loupe.sample_metrics import summarize
-
     summary = summarize(trajectories, [max_turns])
     totals = [float(t.rewards["total"]) for t in trajectories if t.rewards.get("total") is not None]
     by_kind = {k: v for k, v in metrics_by_kind(trajectories, "val/by_kind").items()
