@@ -1,4 +1,4 @@
-"""Benchmark metrics from scored samples: Avg@K, pass@K, per category, end reasons, turn scaling.
+"""Benchmark metrics from scored samples: Avg@K, pass@K, maj@K, per category, end reasons, turn scaling.
 
 The turn-scaling curve needs no extra rollouts: a trajectory that answered within `l` turns would have
 answered the same way under a limit of `l`, and one that needed more turns would have been cut off
@@ -120,6 +120,24 @@ def _accuracy(records: list[SampleRecord], turn_limit: int) -> float | None:
     return mean(correct_within(r, turn_limit) for r in valid) if valid else None
 
 
+def majority_right(records: list[SampleRecord], turn_limit: int) -> float:
+    """Whether the vote of a question's samples is right: 1 when right answers outnumber each wrong answer, a
+    share when they tie (the chance a random tie-break picks them), 0 otherwise.
+
+    This is the label test-time RL trains toward (TTRL's majority vote, `ttrl.strategy: majority`), so maj@K
+    above Avg@K is the room TTRL has. Every right sample counts for the one right answer (a judge may accept
+    several spellings); wrong answers are told apart by their text, case and surrounding space ignored.
+    Samples without an answer do not vote.
+    """
+    right = sum(correct_within(r, turn_limit) for r in records if r.valid)
+    wrong = Counter((r.answer or "").strip().lower() for r in records
+                    if r.valid and r.answer and not correct_within(r, turn_limit))
+    top_wrong = max(wrong.values(), default=0)
+    if right == 0 or right < top_wrong:
+        return 0.0
+    return 1.0 if right > top_wrong else 1.0 / (1 + sum(n == right for n in wrong.values()))
+
+
 def summarize(samples: Iterable[Sample], turn_limits: list[int]) -> dict[str, Any]:
     """Metrics of one benchmark's samples (all K samples of every question)."""
     records = [_record(s) for s in samples]
@@ -143,6 +161,9 @@ def summarize(samples: Iterable[Sample], turn_limits: list[int]) -> dict[str, An
             mean(any(correct_within(r, max_turns) for r in rs if r.valid) for rs in scored_questions)
             if scored_questions
             else None
+        ),
+        f"maj@{samples_per_question}": (
+            mean(majority_right(rs, max_turns) for rs in scored_questions) if scored_questions else None
         ),
         "accuracy": _accuracy(records, max_turns),
         "by_category": {c: _accuracy(rs, max_turns) for c, rs in sorted(by_category.items())},

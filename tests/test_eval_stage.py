@@ -11,7 +11,7 @@ import yaml
 from loupe.data.synthetic import SyntheticConfig, generate_tasks
 from loupe.trajectory import Trajectory, Turn, read_trajectories
 from stages.eval.__main__ import main as eval_main
-from loupe.sample_metrics import SampleRecord, correct_within, summarize, valid_turn_rate
+from loupe.sample_metrics import SampleRecord, correct_within, majority_right, summarize, valid_turn_rate
 from stages.eval.params import EvalParams
 
 
@@ -55,7 +55,7 @@ def test_summary_from_compact_records_is_byte_for_byte_the_summary_of_whole_traj
     records = [SampleRecord.of(t) for t in trajectories]
     before = (
         '{"questions": 3, "samples_per_question": 2, "trajectories": 6, "invalid": 1, "avg@2": 0.6, '
-        '"pass@2": 0.6666666666666666, "accuracy": 0.6, "by_category": {"c": 0.6}, "mean_turns": 3.5, '
+        '"pass@2": 0.6666666666666666, "maj@2": 0.6666666666666666, "accuracy": 0.6, "by_category": {"c": 0.6}, "mean_turns": 3.5, '
         '"valid_turn_rate": 1, "mean_tool_calls": 0, "mean_generated_tokens": 0, "end_reasons": '
         '{"answered": 0.8333333333333334, "over_turn": 0.16666666666666666, "format_error": 0.0, "length": 0.0}, '
         '"turn_scaling": {"1": 0.2, "2": 0.2, "4": 0.4, "8": 0.6}}'
@@ -64,6 +64,21 @@ def test_summary_from_compact_records_is_byte_for_byte_the_summary_of_whole_traj
     assert json.dumps(summarize(trajectories, [1, 2, 4, 8])) == before  # the rl stage still passes trajectories
     trajectories[1].turns[1].action = "error"
     assert json.dumps(valid_turn_rate([SampleRecord.of(t) for t in trajectories])) == str(20 / 21)
+
+
+def test_the_majority_vote_counts_right_answers_against_each_wrong_one_and_shares_a_tie():
+    def record(answer: str | None, accuracy: float) -> SampleRecord:
+        return SampleRecord("q", 0, None, "red", answer, accuracy, True, "answered" if answer else "format_error",
+                            2, 2, 1, 0, 10)
+
+    right, blue, green = record("red", 1.0), record("Blue ", 0.0), record("green", 0.0)
+    assert majority_right([right, blue, green, record("blue", 0.0)], 8) == 0.0  # blue has two votes
+    assert majority_right([right, record("red", 1.0), blue, green], 8) == 1.0  # two against one each
+    assert majority_right([right, blue, green], 8) == pytest.approx(1 / 3)  # a three-way tie
+    assert majority_right([right, record(None, 0.0), record(None, 0.0)], 8) == 1.0  # no answer, no vote
+    assert majority_right([blue, green], 8) == 0.0
+    # maj@K beside pass@K and Avg@K: question b's vote is right (its wrong sample gave no answer), c's has none
+    assert summarize(three_questions(), [1, 2, 4, 8])["maj@2"] == pytest.approx(2 / 3)
 
 
 def test_valid_turn_rate_counts_calls_and_answers():

@@ -321,6 +321,7 @@ def _summary_lines(metrics: dict, prefix: str = "") -> list[str]:
         acc = m[f"avg@{k}"]
         lines.append(
             f"{prefix}{name}: avg@{k} {acc if acc is None else f'{acc:.3f}'}, pass@{k} {m[f'pass@{k}']}, "
+            f"maj@{k} {m.get(f'maj@{k}')}, "
             f"mean turns {m['mean_turns']:.2f}, answered {m['end_reasons']['answered']:.0%}, invalid {m['invalid']}"
         )
     return lines

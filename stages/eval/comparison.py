@@ -2,7 +2,7 @@
 
 `compare` builds the top-level `metrics.json` of a multi-model eval (its shape is documented in loupe.compare,
 which formats it as a table): per benchmark the split's chance rate and per model accuracy (Avg@K) with a 95%
-bootstrap interval over questions, pass@K, valid-turn rate, mean turns and the turn-scaling curve.
+bootstrap interval over questions, pass@K, maj@K, valid-turn rate, mean turns and the turn-scaling curve.
 `turn_scaling_rows` is the DVC plot data (a column per model) and `comparison_plot` draws the PNG.
 
 SciPy is imported here and not in metrics.py, which the rl stage imports too (its image holds no SciPy).
@@ -104,6 +104,7 @@ def compare(
                 "accuracy_ci_low": low,
                 "accuracy_ci_high": high,
                 f"pass@{k}": summary[f"pass@{k}"],
+                f"maj@{k}": summary.get(f"maj@{k}"),
                 "valid_turn_rate": summary["valid_turn_rate"],
                 "mean_turns": summary["mean_turns"],
                 "invalid": summary["invalid"],
