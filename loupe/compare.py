@@ -11,7 +11,7 @@ flattens them to `synthetic.rl.accuracy`; lists, which DVC leaves out, hold only
      "bootstrap": {"confidence": 0.95, "resamples": 2000, "seed": 0},
      "synthetic": {"questions": 200, "samples_per_question": 4, "chance_rate": 0.25,
                    "base": {"accuracy": 0.0, "accuracy_ci_low": 0.0, "accuracy_ci_high": 0.0, "pass@4": 0.0,
-                            "valid_turn_rate": 0.0, "mean_turns": 1.0, "invalid": 0,
+                            "maj@4": 0.0, "valid_turn_rate": 0.0, "mean_turns": 1.0, "invalid": 0,
                             "turn_scaling": {"1": 0.0, "2": 0.0, "4": 0.0, "8": 0.0}},
                    "sft": {...}, "rl": {...}},
      "seconds": 12.3}
