@@ -82,12 +82,11 @@ OPERATION_OF_CATEGORY = {"operations/sign": "READ_TEXT(", "operations/shape": "S
                          "operations/motion": "TRACK_OBJECT("}
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(1800)
-def test_the_pixelis_operations_twin_runs_every_operation_and_learns_which_to_call(tmp_path):
-    """params/pixelis-operations-cpu.yaml end to end: what the tiny model learns there is the operation each kind
-    of question needs (docs/recipes.md), so that is what is checked, on the held-out questions, after SFT."""
-    clone = tmp_path / "loupe"
+@pytest.fixture(scope="module")
+def operations_twin(tmp_path_factory) -> tuple[Path, Path, dict[str, str]]:
+    """params/pixelis-operations-cpu.yaml run once end to end on a fresh clone: (clone, run folder, environment),
+    shared by the twin's test and the test-time RL scenario on its shifted set."""
+    clone = tmp_path_factory.mktemp("operations") / "loupe"
     subprocess.run(["git", "clone", "-q", "--no-hardlinks", str(REPO), str(clone)], check=True)
     env = stage_environment({**os.environ, "LOUPE_TRACKING": "on", "PYTHONPATH": str(clone),
                              "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
@@ -96,7 +95,15 @@ def test_the_pixelis_operations_twin_runs_every_operation_and_learns_which_to_ca
     run = subprocess.run([sys.executable, "-m", "pipelines.cli", "run", "--params",
                           "params/pixelis-operations-cpu.yaml"], cwd=clone, env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    work = clone / "work" / "runs" / "pixelis-operations-cpu" / "work"
+    return clone, clone / "work" / "runs" / "pixelis-operations-cpu", env
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+def test_the_pixelis_operations_twin_runs_every_operation_and_learns_which_to_call(operations_twin):
+    """params/pixelis-operations-cpu.yaml end to end: what the tiny model learns there is the operation each kind
+    of question needs (docs/recipes.md), so that is what is checked, on the held-out questions, after SFT."""
+    work = operations_twin[1] / "work"
     assert {"rl", "ttrl"} <= {p.parent.name for p in work.glob("*/metrics.jsonl")}
     rows = [json.loads(line) for line in (work / "eval" / "sft" / "trajectories" / "synthetic.jsonl").open()]
     asked = [r for r in rows if r["task"].get("category") in OPERATION_OF_CATEGORY]
@@ -120,3 +127,32 @@ def test_the_pixelis_operations_twin_runs_every_operation_and_learns_which_to_ca
         assert rl[kind]["accuracy"] >= sft[kind]["low"], f"RL {kind} fell out of SFT's interval: {rl[kind]} vs {sft[kind]}"
     print(f"\npixelis-operations-cpu: right operation {right / len(asked):.2f}; "
           f"{json.dumps({m: evaluation['synthetic'][m]['accuracy'] for m in evaluation['models']})}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+def test_test_time_rl_on_the_shifted_set_keeps_its_labels_right_and_does_no_harm(operations_twin):
+    """Issue 45's scenario (benchmarks/ttrl_shift.py; docs/learning.md, "Test-time RL on a shifted set"): on shape
+    and motion questions in colours training never showed, the twin's RL model is between 0.4 and 0.8 with
+    pass@K well above it. The ttrl stage, with Pixelis' conservative update, trains on those questions without
+    their labels: the confidence gate's labels must be right, and the update must not lower the accuracy out
+    of the RL model's interval. (That it raises it with the intervals apart, the issue's bar, is not met at this
+    scale: maj@K stays at Avg@K, measured 0.668 against 0.664.)"""
+    clone, run, env = operations_twin
+    done = subprocess.run([sys.executable, "-m", "benchmarks.ttrl_shift", "--run", str(run)], cwd=clone, env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    figures = json.loads((run / "work" / "shift" / "shift.json").read_text())
+    rl, ttrl = figures["rl"], figures["ttrl"]
+    k = figures["samples"]
+    # Measured 0.664, pass@4 0.919 (2026-11-28).
+    assert 0.4 <= rl["kinds"]["all"]["accuracy"] <= 0.8, rl["kinds"]["all"]
+    assert rl[f"pass@{k}"] >= rl["kinds"]["all"]["accuracy"] + 0.15, rl
+    log = figures["ttrl_log"]
+    assert len(log) == 20 and all({"ttrl/pseudo_label_accuracy", "ttrl/groups_kept", "ttrl/buffer_hits"} <= set(row)
+                                  for row in log), log
+    kept = [row["ttrl/kept_label_accuracy"] for row in log if "ttrl/kept_label_accuracy" in row]
+    assert kept and statistics.mean(kept) >= 0.9, kept  # measured 0.97
+    # Measured 0.688 against the RL model's [0.609, 0.714].
+    assert ttrl["kinds"]["all"]["accuracy"] >= rl["accuracy_ci"][0], (ttrl["kinds"]["all"], rl["accuracy_ci"])
+    print(f"\nshifted set:\n{done.stdout}")
