@@ -1,7 +1,8 @@
 """Each recipe's CPU twin end to end (marked slow): `loupe run --params params/<recipe>-cpu.yaml` on a fresh clone
 of this repository, through the Prefect flow, DVC and MLflow, in its own workspace; its RL stages must raise
-their training reward (Pixelis': its task accuracy). About 6-12 minutes a recipe on 2 cores, the Pixelis twin about 20
-(docs/recipes.md has the figures).
+their training reward (Pixelis': its task accuracy). About 6-12 minutes a recipe on 2 cores, the Pixelis twin
+about 20, the operations twin about 21 and its test-time RL on a shifted set about 10 more (docs/recipes.md has
+the figures).
 
     pytest -m slow tests/test_recipes_slow.py -k r1-v -s      # one recipe, with its figures printed
 """
