@@ -26,7 +26,7 @@ buffer's neighbours per group (`ttrl/buffer_hits`) and the update's rate. It wri
 `<out>/shift.json`.
 
 Launch, after `loupe run --params params/pixelis-operations-cpu.yaml` (about 15 minutes on 2 cores; this script
-takes about 15 more):
+takes about 10 more):
 
     python -m benchmarks.ttrl_shift --run work/runs/pixelis-operations-cpu     # from the repository root
 
@@ -68,9 +68,9 @@ SAMPLES = 4
 """K: samples per question in the eval."""
 
 
-def write_shifted_set(run: Path, out: Path) -> Path:
-    """The shifted questions under `out/tasks` (test.jsonl and images); reused when already there."""
-    params = yaml.safe_load((run / "params.yaml").read_text(encoding="utf-8"))
+def write_shifted_set(params: dict[str, Any], out: Path) -> Path:
+    """The shifted questions under `out/tasks` (test.jsonl and images), from the run's params; reused when
+    already there."""
     config = OperationTaskConfig(**{**params["data"]["operations"], **SHIFT})
     tasks = out / "tasks"
     if not (tasks / "test.jsonl").is_file():
@@ -78,13 +78,12 @@ def write_shifted_set(run: Path, out: Path) -> Path:
     return tasks
 
 
-def shifted_params(run: Path, tasks: Path, out: Path) -> Path:
-    """The run's params with the eval pointed at the shifted set, K samples a question."""
-    params = yaml.safe_load((run / "params.yaml").read_text(encoding="utf-8"))
-    params["eval"] = {**params["eval"], "benchmarks": [{"name": "synthetic", "path": str(tasks.resolve())}],
-                      "samples": SAMPLES}
+def shifted_params(params: dict[str, Any], tasks: Path, out: Path) -> Path:
+    """The run's params with the eval pointed at the shifted set, K samples a question, written to `out`."""
+    shifted = {**params, "eval": {**params["eval"], "samples": SAMPLES,
+                                  "benchmarks": [{"name": "synthetic", "path": str(tasks.resolve())}]}}
     path = out / "params.yaml"
-    path.write_text(yaml.safe_dump(params, sort_keys=False), encoding="utf-8")
+    path.write_text(yaml.safe_dump(shifted, sort_keys=False), encoding="utf-8")
     return path
 
 
@@ -92,7 +91,7 @@ def _stage(args: list[str], log: Path, cwd: Path) -> None:
     with log.open("w", encoding="utf-8") as sink:
         done = subprocess.run([sys.executable, "-m", *args], cwd=cwd, stdout=sink, stderr=subprocess.STDOUT)
     if done.returncode != 0:
-        raise SystemExit(f"{' '.join(args[:1])} failed ({done.returncode}); its log: {log}")
+        raise SystemExit(f"{args[0]} failed ({done.returncode}); its log: {log}")
 
 
 def ttrl_log(metrics_jsonl: Path) -> list[dict[str, float]]:
@@ -110,8 +109,9 @@ def ttrl_log(metrics_jsonl: Path) -> list[dict[str, float]]:
 def run_scenario(run: Path, out: Path, repo: Path) -> dict[str, Any]:
     """Write the set, run ttrl from the run's RL model, evaluate both; return the figures (also shift.json)."""
     out.mkdir(parents=True, exist_ok=True)
-    tasks = write_shifted_set(run, out)
-    params = shifted_params(run, tasks, out)
+    run_params = yaml.safe_load((run / "params.yaml").read_text(encoding="utf-8"))
+    tasks = write_shifted_set(run_params, out)
+    params = shifted_params(run_params, tasks, out)
     work = run / "work"
     if not (out / "ttrl" / "model" / "config.json").is_file():
         _stage(["stages.rl", "--params", str(params), "--section", "ttrl", "--model", str(work / "rl" / "model"),
@@ -121,7 +121,6 @@ def run_scenario(run: Path, out: Path, repo: Path) -> dict[str, Any]:
         _stage(["stages.eval", "--params", str(params), "--model", f"rl={work / 'rl' / 'model'}",
                 "--model", f"ttrl={out / 'ttrl' / 'model'}", "--out", str(out / "eval"), "--no-progress"],
                out / "eval.log", repo)
-    comparison = json.loads((out / "eval" / "metrics.json").read_text(encoding="utf-8"))["synthetic"]
     figures: dict[str, Any] = {"set": SHIFT, "ttrl_overrides": list(TTRL_OVERRIDES), "samples": SAMPLES}
     for model in ("rl", "ttrl"):
         summary = json.loads((out / "eval" / model / "metrics.json").read_text(encoding="utf-8"))
@@ -130,7 +129,6 @@ def run_scenario(run: Path, out: Path, repo: Path) -> dict[str, Any]:
             "kinds": kind_accuracies(out / "eval" / model / "results.jsonl"),
             f"pass@{SAMPLES}": bench[f"pass@{SAMPLES}"],
             f"maj@{SAMPLES}": bench[f"maj@{SAMPLES}"],
-            "accuracy_ci": [comparison[model]["accuracy_ci_low"], comparison[model]["accuracy_ci_high"]],
         }
     figures["ttrl_log"] = ttrl_log(out / "ttrl" / "metrics.jsonl")
     (out / "shift.json").write_text(json.dumps(figures, indent=1), encoding="utf-8")
@@ -152,11 +150,9 @@ def report(figures: dict[str, Any]) -> str:
             "-" if row.get(k) is None else f"{row[k]:.3g}" for k in (
                 "ttrl/pseudo_label_accuracy", "ttrl/kept_label_accuracy", "ttrl/groups_kept", "ttrl/buffer_hits",
                 "update/lr"))))
-    log = figures["ttrl_log"]
-    if log:
-        voted = [r["ttrl/pseudo_label_accuracy"] for r in log if "ttrl/pseudo_label_accuracy" in r]
-        if voted:
-            lines.append(f"\nthe vote's label was right in {mean(voted):.2f} of the groups on average")
+    voted = [r["ttrl/pseudo_label_accuracy"] for r in figures["ttrl_log"] if "ttrl/pseudo_label_accuracy" in r]
+    if voted:
+        lines.append(f"\nthe vote's label was right in {mean(voted):.2f} of the groups on average")
     return "\n".join(lines)
 
 

@@ -120,17 +120,23 @@ def _accuracy(records: list[SampleRecord], turn_limit: int) -> float | None:
     return mean(correct_within(r, turn_limit) for r in valid) if valid else None
 
 
+def vote_form(answer: str) -> str:
+    """A free-form answer as one vote: lowercased, its whitespace collapsed. The ttrl stage's vote
+    (stages/rl/ttrl.py) and maj@K count answers in this one form."""
+    return " ".join(answer.strip().lower().split())
+
+
 def majority_right(records: list[SampleRecord], turn_limit: int) -> float:
     """Whether the vote of a question's samples is right: 1 when right answers outnumber each wrong answer, a
     share when they tie (the chance a random tie-break picks them), 0 otherwise.
 
     This is the label test-time RL trains toward (TTRL's majority vote, `ttrl.strategy: majority`), so maj@K
     above Avg@K is the room TTRL has. Every right sample counts for the one right answer (a judge may accept
-    several spellings); wrong answers are told apart by their text, case and surrounding space ignored.
+    several spellings); wrong answers are told apart by their `vote_form`.
     Samples without an answer do not vote.
     """
     right = sum(correct_within(r, turn_limit) for r in records if r.valid)
-    wrong = Counter((r.answer or "").strip().lower() for r in records
+    wrong = Counter(vote_form(r.answer) for r in records
                     if r.valid and r.answer and not correct_within(r, turn_limit))
     top_wrong = max(wrong.values(), default=0)
     if right == 0 or right < top_wrong:

@@ -155,5 +155,5 @@ def test_test_time_rl_on_the_shifted_set_keeps_its_labels_right_and_does_no_harm
     kept = [row["ttrl/kept_label_accuracy"] for row in log if "ttrl/kept_label_accuracy" in row]
     assert kept and statistics.mean(kept) >= 0.9, kept  # measured 0.97
     # Measured 0.688 against the RL model's [0.609, 0.714].
-    assert ttrl["kinds"]["all"]["accuracy"] >= rl["accuracy_ci"][0], (ttrl["kinds"]["all"], rl["accuracy_ci"])
+    assert ttrl["kinds"]["all"]["accuracy"] >= rl["kinds"]["all"]["low"], (ttrl["kinds"]["all"], rl["kinds"]["all"])
     print(f"\nshifted set:\n{done.stdout}")

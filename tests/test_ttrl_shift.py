@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import numpy as np
-import yaml
 from PIL import Image
 
 from benchmarks.ttrl_shift import SHIFT, report, ttrl_log, write_shifted_set
@@ -16,10 +15,8 @@ from loupe.data.tasks import read_tasks
 
 
 def test_the_shifted_set_holds_only_shapes_and_motion_in_new_colours(tmp_path: Path):
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "params.yaml").write_text(yaml.safe_dump({"data": {"operations": {"train": 256, "val": 16, "test": 80}}}))
-    tasks = write_shifted_set(run, tmp_path / "shift")
+    params = {"data": {"operations": {"train": 256, "val": 16, "test": 80}}}
+    tasks = write_shifted_set(params, tmp_path / "shift")
     records = read_tasks(tasks / "test.jsonl", check_images=True)
     assert len(records) == SHIFT["test"]
     assert {r.category for r in records} == {"operations/shape", "operations/motion"}
@@ -31,7 +28,7 @@ def test_the_shifted_set_holds_only_shapes_and_motion_in_new_colours(tmp_path: P
     assert fills & {"orange", "purple"} and not fills & {"green", "yellow"}, fills
     # A second call reuses the files rather than drawing them again.
     before = (tasks / "test.jsonl").stat().st_mtime_ns
-    write_shifted_set(run, tmp_path / "shift")
+    write_shifted_set(params, tmp_path / "shift")
     assert (tasks / "test.jsonl").stat().st_mtime_ns == before
 
 
@@ -45,7 +42,7 @@ def test_the_stage_log_and_the_report_carry_the_vote_the_gate_and_the_buffer(tmp
     assert [r["step"] for r in log] == [1, 2] and "reward/mean" not in log[0]
     kinds = {"all": {"accuracy": 0.6, "low": 0.5, "high": 0.7}, "shape": {"accuracy": 0.5, "low": 0.4, "high": 0.6},
              "motion": {"accuracy": 0.7, "low": 0.6, "high": 0.8}}
-    model = {"kinds": kinds, "pass@4": 0.9, "maj@4": 0.61, "accuracy_ci": [0.5, 0.7]}
+    model = {"kinds": kinds, "pass@4": 0.9, "maj@4": 0.61}
     text = report({"rl": model, "ttrl": model, "ttrl_log": log})
     assert "| rl | 0.600 [0.500, 0.700] | 0.500 [0.400, 0.600] | 0.700 [0.600, 0.800] | 0.900 | 0.610 |" in text
     assert "| 1 | 0.75 | 1 | 0.25 | 1.5 | 1.2e-05 |" in text

@@ -34,6 +34,7 @@ import numpy as np
 
 from loupe.data.tasks import TaskRecord
 from loupe.rewards.choice import extract_choice
+from loupe.sample_metrics import vote_form
 from loupe.trajectory import Trajectory
 from stages.rl.pixelis import image_features, text_features
 
@@ -58,7 +59,7 @@ def normalised_answer(trajectory: Trajectory) -> str | None:
         return extract_choice(answer, options) if (answer or "").strip() else None
     if not (answer or "").strip():
         return None
-    return " ".join(answer.strip().lower().split())
+    return vote_form(answer)
 
 
 def normalised_truth(task: dict[str, Any], solution: str | None) -> str | None:
@@ -68,7 +69,7 @@ def normalised_truth(task: dict[str, Any], solution: str | None) -> str | None:
     options = task.get("options")
     if options:
         return extract_choice(str(solution), options)
-    return " ".join(str(solution).strip().lower().split())
+    return vote_form(str(solution))
 
 
 def question_embedding(trajectory: Trajectory) -> np.ndarray:
