@@ -97,7 +97,8 @@ def _rl_with_overlap(params: dict, tmp_path: Path, work: Path, env: dict) -> dic
     """Run dvc.yaml's rl stage again with `rl.overlap` on (and the sampler's log-probs, which overlap needs) into
     work/rl_overlap, evaluate that model alone into work/eval_overlap, and return its held-out figures."""
     params = json.loads(json.dumps(params))
-    params["rl"].update(overlap=True, logprob_source="rollout")
+    # One learner thread: with overlap the rollout worker computes beside the update (params.yaml, cpu_threads).
+    params["rl"].update(overlap=True, logprob_source="rollout", cpu_threads=1)
     params_file = tmp_path / "params_overlap.yaml"
     params_file.write_text(yaml.safe_dump(params, sort_keys=False))
     rl = _with_option(stage_command("rl", params, params_file, work), "--out", str(work / "rl_overlap"))

@@ -50,6 +50,18 @@ def test_device_cpu_hides_a_visible_gpu():
     assert "use_cpu" not in build(SftParams())
 
 
+def test_cpu_processes_share_the_step_batch_and_train_over_gloo():
+    config = build(SftParams(per_device_train_batch_size=4, cpu_processes=2))
+    assert config["per_device_train_batch_size"] == 2 and config["ddp_backend"] == "gloo"
+    assert lf.launch_environment(2) == {"OMP_NUM_THREADS": "1"}
+    assert lf.launch_environment(1) == {} and "ddp_backend" not in build(SftParams(per_device_train_batch_size=4))
+    # On a GPU the GPUs decide; the CPU setting is ignored.
+    assert lf.cpu_processes(SftParams(per_device_train_batch_size=4, cpu_processes=2), on_gpu=True) == 1
+    assert build(SftParams(per_device_train_batch_size=4, cpu_processes=2), on_gpu=True)["per_device_train_batch_size"] == 4
+    with pytest.raises(ParamsError, match=r"sft.per_device_train_batch_size \(3\) does not divide by sft.cpu_processes \(2\)"):
+        build(SftParams(per_device_train_batch_size=3, cpu_processes=2))
+
+
 def test_epochs_unless_steps_are_given():
     assert build(SftParams(num_train_epochs=3))["max_steps"] == -1
     assert build(SftParams(num_train_epochs=3))["num_train_epochs"] == 3

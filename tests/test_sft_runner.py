@@ -97,6 +97,19 @@ def test_child_environment_points_llamafactory_at_our_run(monkeypatch):
     assert env["PATH"].split(os.pathsep)[0] == str(Path(sys.executable).parent)
     off = runner.child_environment(None, None)
     assert "MLFLOW_RUN_ID" not in off and "FORCE_TORCHRUN" not in off
+    assert runner.child_environment(None, None, launch={"OMP_NUM_THREADS": "1"})["OMP_NUM_THREADS"] == "1"
+
+
+def test_several_cpu_processes_train_under_torchrun_and_the_yaml_says_how():
+    one = runner.llamafactory_command("train", Path("/r/train.yaml"))
+    assert one[1:] == ["-m", "llamafactory.cli", "train", "/r/train.yaml"]
+    assert runner.by_hand(one) == "llamafactory-cli train /r/train.yaml"
+    two = runner.llamafactory_command("train", Path("/r/train.yaml"), processes=2)
+    assert two[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    assert two[5].endswith("llamafactory/launcher.py") and Path(two[5]).is_file() and two[6] == "/r/train.yaml"
+    assert runner.by_hand(two, {"OMP_NUM_THREADS": "1"}).startswith("OMP_NUM_THREADS=1 torchrun --standalone")
+    # Export is one process whatever the training was.
+    assert runner.llamafactory_command("export", Path("/r/e.yaml"), processes=2)[2] == "llamafactory.cli"
 
 
 # --- the training folder ---------------------------------------------------------------------------------

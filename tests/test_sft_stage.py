@@ -162,6 +162,22 @@ def test_a_killed_run_resumes_from_its_last_checkpoint(tmp_path, tiny_model_dir,
     assert again.returncode == 0 and "training already finished" in again.stdout
 
 
+def test_two_cpu_processes_train_the_same_steps_over_gloo(tmp_path, tiny_model_dir, dataset, capsys):
+    """sft.cpu_processes: 2 runs LLaMA-Factory under torchrun on the CPU; the step's batch of 2 is shared out,
+    so 8 samples still make 4 steps, and the model it exports loads and generates."""
+    out = tmp_path / "sft"
+    params = write_params(tmp_path, num_train_epochs=1, cpu_processes=2, dataloader_num_workers=0)
+    assert run_stage(params, tiny_model_dir, dataset, out) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["steps"] == 4 and metrics["cpu_processes"] == 2 and metrics["final_loss"] > 0
+    by_hand = (out / "llamafactory" / "train.yaml").read_text().splitlines()[1]
+    assert "OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node=2 " in by_hand and by_hand.endswith("train.yaml")
+    log = (out / "llamafactory" / "train.log").read_text()
+    assert "world size: 2" in log and "distributed training: True" in log
+    assert "sft: 4 steps (full, cpu)" in capsys.readouterr().out
+    assert isinstance(generate_with_image(out / "model"), str)
+
+
 @pytest.mark.slow
 def test_lora_adapters_are_merged_into_a_plain_model(tmp_path, tiny_model_dir, dataset):
     out = tmp_path / "sft"

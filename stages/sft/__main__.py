@@ -103,7 +103,10 @@ def run_sft(params_path: Path, model_path: Path, dataset_dir: Path, out_dir: Pat
             hide_gpu=params.device == "cpu",
         )
         train_yaml = lf_dir / "train.yaml"
-        llamafactory_config.write_yaml(train_yaml, config, f"llamafactory-cli train {train_yaml.resolve()}")
+        processes = llamafactory_config.cpu_processes(params, on_gpu)
+        launch = llamafactory_config.launch_environment(processes)
+        command = runner.llamafactory_command("train", train_yaml.resolve(), processes=processes)
+        llamafactory_config.write_yaml(train_yaml, config, runner.by_hand(command, launch))
         digest = runner.fingerprint(
             llamafactory_config.fingerprint_view(config),
             [preflight.spec.file, preflight.spec.folder / "dataset_info.json"],
@@ -114,12 +117,12 @@ def run_sft(params_path: Path, model_path: Path, dataset_dir: Path, out_dir: Pat
         if state.note:
             print(f"sft: {state.note}")
         env = runner.child_environment(run.run_id, tracking_uri() if run.run_id else None,
-                                       force_torchrun=on_gpu and deepspeed is not None)
+                                       force_torchrun=on_gpu and deepspeed is not None, launch=launch)
         if state.kind != "done":
             log = lf_dir / "train.log"
-            print(f"sft: llamafactory-cli train {train_yaml} (output: {train_dir}; its log: {log})", flush=True)
+            print(f"sft: {runner.by_hand(command, launch)} (output: {train_dir}; its log: {log})", flush=True)
             watch = None if verbose else runner.TrainerProgress(train_dir / "trainer_log.jsonl", disable=not progress)
-            runner.launch(runner.llamafactory_command("train", train_yaml), env, log, progress=watch)
+            runner.launch(command, env, log, progress=watch)
 
         export.build_model_dir(params.finetuning_type, model_path, train_dir, out_dir / "model", lf_dir, env)
 
@@ -130,6 +133,7 @@ def run_sft(params_path: Path, model_path: Path, dataset_dir: Path, out_dir: Pat
             "dataset": str(dataset_dir),
             "finetuning_type": params.finetuning_type,
             "device": "gpu" if on_gpu else "cpu",
+            "cpu_processes": processes,
             **report.summarize(points, final),
             "resumed_from_step": state.step,
             "wall_time_s": round(time.perf_counter() - started, 2),

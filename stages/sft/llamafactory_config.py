@@ -59,6 +59,25 @@ def resolve_deepspeed(choice: str | None) -> Path | None:
     return path
 
 
+def cpu_processes(params: SftParams, on_gpu: bool) -> int:
+    """How many data-parallel processes train on the CPU: `sft.cpu_processes`, or 1 on a GPU (where the GPUs
+    decide). The step's batch is shared out, so it must divide by them."""
+    if on_gpu or params.cpu_processes == 1:
+        return 1
+    if params.per_device_train_batch_size % params.cpu_processes:
+        raise ParamsError(
+            f"params.yaml: sft.per_device_train_batch_size ({params.per_device_train_batch_size}) does not divide by "
+            f"sft.cpu_processes ({params.cpu_processes}): each process takes an equal share of the step's batch"
+        )
+    return params.cpu_processes
+
+
+def launch_environment(processes: int) -> dict[str, str]:
+    """The variables data-parallel CPU processes train with: one torch thread each (torchrun's own default,
+    said here so that it does not warn about it)."""
+    return {} if processes == 1 else {"OMP_NUM_THREADS": "1"}
+
+
 def train_config(
     params: SftParams,
     protocol: ProtocolParams,
@@ -115,7 +134,7 @@ def train_config(
             "plot_loss": False,  # the stage draws the loss curve itself, as DVC plot data and a PNG
             "report_to": report_to,
             # train
-            "per_device_train_batch_size": params.per_device_train_batch_size,
+            "per_device_train_batch_size": params.per_device_train_batch_size // cpu_processes(params, on_gpu),
             "gradient_accumulation_steps": params.gradient_accumulation_steps,
             "learning_rate": params.learning_rate,
             "num_train_epochs": params.num_train_epochs,
@@ -134,6 +153,8 @@ def train_config(
         del config["preprocessing_num_workers"]
     if hide_gpu:
         config["use_cpu"] = True
+    if cpu_processes(params, on_gpu) > 1:
+        config["ddp_backend"] = "gloo"  # torch's CPU collectives
     if on_gpu:
         config["flash_attn"] = params.gpu.flash_attn
         if deepspeed is not None:

@@ -95,6 +95,13 @@ class SftParams(Section):
     """Processes loading and preprocessing images during training, beside the training loop; 0 collates each
     batch on the training thread. The batches are the same (same order, same pixels, bit-identical losses);
     one worker made the default's steps 10% faster on 2 cores (docs/learning.md, "Where the time goes")."""
+    cpu_processes: int = Field(1, ge=1)
+    """Data-parallel training processes on a CPU (torchrun with gloo, one torch thread each; ignored on GPU). The
+    optimiser step's batch is unchanged: each process takes an equal share of `per_device_train_batch_size`,
+    which must divide by it, and the gradients are averaged. On 2 cores, 2 processes ran the default's steps
+    0.36 s each instead of 0.45 (a tiny model's ops are too small for two threads to share one; docs/learning.md,
+    "Two processes, not two threads"). Each process draws its own share of the batch, so the samples that share
+    a step differ from one process's order."""
     device: Literal["auto", "cpu", "gpu"] = "auto"
     """Where training runs: auto picks the GPU when torch sees one. Decides whether `gpu` settings apply."""
     gpu: GpuParams = GpuParams()

@@ -78,14 +78,33 @@ def error_tail(output: bytes, max_lines: int = 30) -> str:
     return "\n".join(lines[-max_lines:])
 
 
-def llamafactory_command(command: str, config: Path, overrides: dict[str, Any] | None = None) -> list[str]:
-    """`python -m llamafactory.cli <command> <yaml> key=value...` with this interpreter."""
+def llamafactory_command(command: str, config: Path, overrides: dict[str, Any] | None = None,
+                         processes: int = 1) -> list[str]:
+    """`python -m llamafactory.cli <command> <yaml> key=value...` with this interpreter; with `processes` > 1,
+    training under torchrun as LLaMA-Factory itself starts it, `torchrun ... llamafactory/launcher.py <yaml>`
+    (llamafactory/launcher.py, `launch`), but called directly: through `llamafactory-cli` the parent process
+    imports transformers before torchrun does it again in each rank (15 s on 2 cores). `--standalone` picks a
+    free local port."""
     extra = [f"{key}={value}" for key, value in (overrides or {}).items()]
+    if processes > 1 and command == "train":
+        import llamafactory
+
+        launcher = Path(llamafactory.__file__).parent / "launcher.py"
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
+                str(launcher), str(config), *extra]
     return [sys.executable, "-m", "llamafactory.cli", command, str(config), *extra]
 
 
-def child_environment(run_id: str | None, tracking_uri: str | None, force_torchrun: bool = False) -> dict[str, str]:
-    """The subprocess's environment: ours, plus unbuffered output, MLflow's run, and torchrun when asked."""
+def by_hand(args: list[str], env: dict[str, str] | None = None) -> str:
+    """The shell line a user types to repeat `args` (llamafactory_command's) with `env`'s variables."""
+    words = ["llamafactory-cli", *args[3:]] if args[1:3] == ["-m", "llamafactory.cli"] else ["torchrun", *args[3:]]
+    return "".join(f"{k}={v} " for k, v in (env or {}).items()) + " ".join(words)
+
+
+def child_environment(run_id: str | None, tracking_uri: str | None, force_torchrun: bool = False,
+                      launch: dict[str, str] | None = None) -> dict[str, str]:
+    """The subprocess's environment: ours, plus unbuffered output, MLflow's run, torchrun when asked, and
+    `launch`'s variables (llamafactory_config.launch_environment)."""
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -99,6 +118,7 @@ def child_environment(run_id: str | None, tracking_uri: str | None, force_torchr
             env["MLFLOW_TRACKING_URI"] = tracking_uri
     if force_torchrun:
         env["FORCE_TORCHRUN"] = "1"
+    env.update(launch or {})
     return env
 
 
@@ -178,7 +198,7 @@ def launch(args: list[str], env: dict[str, str], log_path: Path, console: Binary
             if progress is not None:
                 progress.close()
     if returncode != 0:
-        command = args[3] if len(args) > 3 else "?"
+        command = args[3] if args[1:3] == ["-m", "llamafactory.cli"] else "train"
         raise TrainingFailed(command, returncode, error_tail(tail), log_path)
 
 
