@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -87,9 +88,10 @@ def llamafactory_command(command: str, config: Path, overrides: dict[str, Any] |
     free local port."""
     extra = [f"{key}={value}" for key, value in (overrides or {}).items()]
     if processes > 1 and command == "train":
-        import llamafactory
-
-        launcher = Path(llamafactory.__file__).parent / "launcher.py"
+        spec = importlib.util.find_spec("llamafactory")  # found, not imported: the stage need not load it
+        if spec is None or not spec.submodule_search_locations:
+            raise RuntimeError(f"LLaMA-Factory is not installed for {sys.executable} (pip install llamafactory)")
+        launcher = Path(spec.submodule_search_locations[0]) / "launcher.py"
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
                 str(launcher), str(config), *extra]
     return [sys.executable, "-m", "llamafactory.cli", command, str(config), *extra]
