@@ -51,6 +51,16 @@ def test_error_tail_without_traceback_keeps_the_last_state_of_each_line():
     assert runner.error_tail(output) == "red\n100%\nKilled"
 
 
+def test_under_torchrun_the_rank_s_error_is_kept_not_torchrun_s():
+    output = (b"[INFO] step 3\nTraceback (most recent call last):\n  File \"launcher.py\", line 9\n"
+              b"ValueError: Image features and image tokens do not match\n[rank1] exiting\n"
+              b"Traceback (most recent call last):\n  File \"run.py\", line 3\n"
+              b"torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\nlauncher.py FAILED\n")
+    tail = runner.error_tail(output)
+    assert tail.startswith("Traceback") and tail.endswith("[rank1] exiting")
+    assert "ValueError: Image features" in tail and "ChildFailedError" not in tail
+
+
 def test_a_signal_death_is_reported_as_such(tmp_path):
     with pytest.raises(runner.TrainingFailed, match="killed by signal 9"):
         runner.launch(python("import os, signal; os.kill(os.getpid(), signal.SIGKILL)"), dict(os.environ),

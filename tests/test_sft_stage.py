@@ -162,6 +162,7 @@ def test_a_killed_run_resumes_from_its_last_checkpoint(tmp_path, tiny_model_dir,
     assert again.returncode == 0 and "training already finished" in again.stdout
 
 
+@pytest.mark.slow
 def test_two_cpu_processes_train_the_same_steps_over_gloo(tmp_path, tiny_model_dir, dataset, capsys):
     """sft.cpu_processes: 2 runs LLaMA-Factory under torchrun on the CPU; the step's batch of 2 is shared out,
     so 8 samples still make 4 steps, and the model it exports loads and generates."""

@@ -2,7 +2,7 @@
 
 On a CPU the transformers engine's small matrices use a second thread poorly: the default's eval rolled out
 0.098 s a trajectory at two threads and 0.053 s with two models in two processes at one thread each (2 cores,
-docs/speed.md, "Where the time goes"). Each model's evaluation (`stages.eval.__main__._evaluate`) is
+docs/speed.md, "What was removed"). Each model's evaluation (`stages.eval.__main__._evaluate`) is
 independent: its own engine, sampling from its own generator seeded with the run's seed, into its own folder.
 Forward passes give the same bits at one thread as at two on the pinned kernels, so a model's files are the
 same, byte for byte, whether it ran alone or beside the others (tests/test_eval_compare.py).

@@ -446,7 +446,9 @@ class RLParams(Section):
     batching packed); None keeps the model's default (sdpa)."""
     cpu_threads: int | None = Field(None, ge=1)
     """Torch CPU threads of the stage's own process (learner and in-process workers); None keeps torch's default.
-    On a small shared CPU 1 is often fastest: OpenMP threads that wait on a busy core stall every op."""
+    Where another process computes beside the learner (a rollout worker with `overlap`, other jobs) 1 is often
+    fastest: OpenMP threads that wait on a busy core stall every op. Where the rollout worker waits during the
+    update, as in the default, the learner's update is a third faster at 2 on 2 cores (docs/speed.md)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (saves memory on large models); non-reentrant
     `torch.utils.checkpoint`, the form torch recommends (the reentrant one sends no gradient to tensors passed by keyword)."""

@@ -2,11 +2,12 @@
 
 Reads the `sft` section of params.yaml (plus `seed` and `protocol`, whose pixel budget sizes the images),
 checks the model and the dataset before anything starts (exit 2 naming the sample and the fix), writes a
-LLaMA-Factory YAML, runs `llamafactory-cli train` on it with its output streamed here and its loss, learning
-rate and throughput reported to this stage's MLflow run, then writes into --out:
+LLaMA-Factory YAML, runs `llamafactory-cli train` on it (under torchrun with `sft.cpu_processes` > 1) with its
+output streamed here and its loss, learning rate and throughput reported to this stage's MLflow run, then writes
+into --out:
 
     model/                     Hugging Face model (LoRA merged, use_cache on): AutoModelForImageTextToText loads it
-    llamafactory/train.yaml    the generated config: `llamafactory-cli train` repeats the run by hand
+    llamafactory/train.yaml    the generated config: its header's command repeats the run by hand
     llamafactory/train.log     LLaMA-Factory's full output (export.yaml / export.log too for LoRA)
     dataset/                   the dataset with over-budget images pre-scaled (same pixels, less time per step)
     train/                     LLaMA-Factory's output folder: checkpoints and trainer state, for resuming

@@ -1,7 +1,8 @@
 """Running `llamafactory-cli` in a subprocess: its output streamed, its failure explained, its run resumable.
 
-- `launch` starts `python -m llamafactory.cli <command> <yaml>` with the interpreter running this stage (so
-  the stage's environment is LLaMA-Factory's), writes its output to a log file and either streams it byte for
+- `launch` starts `python -m llamafactory.cli <command> <yaml>` (or LLaMA-Factory's launcher under torchrun,
+  `llamafactory_command`) with the interpreter running this stage (so the stage's environment is
+  LLaMA-Factory's), writes its output to a log file and either streams it byte for
   byte to our console or, by default in the stage, shows one progress bar instead (`TrainerProgress`, fed by
   the trainer's own log); on failure it raises `TrainingFailed` holding the end of that output: the traceback
   when there is one.
@@ -36,6 +37,7 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin")
 WEIGHT_SAMPLE = 1 << 20
 """Bytes of a base model's weight file read at each of its three sampled places (`fingerprint`)."""
 TAIL_BYTES = 64 * 1024
+_LAUNCHER_FAILED = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
 ANSI = re.compile(rb"\x1b\[[0-9;?]*[A-Za-z]")
 
 # Sets the parent-death signal, then becomes the real command (the setting survives exec). Written as a
@@ -71,8 +73,12 @@ def error_tail(output: bytes, max_lines: int = 30) -> str:
     lines = [line.rsplit("\r", 1)[-1].rstrip() for line in text.split("\n")]
     lines = [line for line in lines if line.strip()]
     starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
-    if starts:
-        lines = lines[starts[-1] :]
+    # Under torchrun the rank's traceback comes first and torchrun's own (ChildFailedError) last: keep the rank's.
+    blocks = list(zip(starts, starts[1:] + [len(lines)]))
+    own = [(i, end) for i, end in blocks if not any(_LAUNCHER_FAILED in line for line in lines[i:end])]
+    if blocks:
+        start, end = (own or blocks)[-1]
+        lines = lines[start:end] if own else lines[start:]
         if len(lines) > max_lines:  # keep the head of the traceback and its final error
             lines = lines[:5] + ["  ..."] + lines[-(max_lines - 6) :]
         return "\n".join(lines)
@@ -90,7 +96,7 @@ def llamafactory_command(command: str, config: Path, overrides: dict[str, Any] |
     if processes > 1 and command == "train":
         spec = importlib.util.find_spec("llamafactory")  # found, not imported: the stage need not load it
         if spec is None or not spec.submodule_search_locations:
-            raise RuntimeError(f"LLaMA-Factory is not installed for {sys.executable} (pip install llamafactory)")
+            raise FileNotFoundError(f"LLaMA-Factory is not installed for {sys.executable} (pip install llamafactory)")
         launcher = Path(spec.submodule_search_locations[0]) / "launcher.py"
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
                 str(launcher), str(config), *extra]
@@ -99,7 +105,8 @@ def llamafactory_command(command: str, config: Path, overrides: dict[str, Any] |
 
 def by_hand(args: list[str], env: dict[str, str] | None = None) -> str:
     """The shell line a user types to repeat `args` (llamafactory_command's) with `env`'s variables."""
-    words = ["llamafactory-cli", *args[3:]] if args[1:3] == ["-m", "llamafactory.cli"] else ["torchrun", *args[3:]]
+    tool = {"llamafactory.cli": "llamafactory-cli", "torch.distributed.run": "torchrun"}[args[2]]
+    words = [tool, *args[3:]]
     return "".join(f"{k}={v} " for k, v in (env or {}).items()) + " ".join(words)
 
 
