@@ -94,6 +94,7 @@ def train_config(
 
     `hide_gpu` (sft.device: cpu) trains on the CPU even where a GPU is visible.
     """
+    processes = cpu_processes(params, on_gpu)
     config: dict[str, Any] = {
         # model
         "model_name_or_path": str(Path(model_path).resolve()),
@@ -134,7 +135,7 @@ def train_config(
             "plot_loss": False,  # the stage draws the loss curve itself, as DVC plot data and a PNG
             "report_to": report_to,
             # train
-            "per_device_train_batch_size": params.per_device_train_batch_size // cpu_processes(params, on_gpu),
+            "per_device_train_batch_size": params.per_device_train_batch_size // processes,
             "gradient_accumulation_steps": params.gradient_accumulation_steps,
             "learning_rate": params.learning_rate,
             "num_train_epochs": params.num_train_epochs,
@@ -153,7 +154,7 @@ def train_config(
         del config["preprocessing_num_workers"]
     if hide_gpu:
         config["use_cpu"] = True
-    if cpu_processes(params, on_gpu) > 1:
+    if processes > 1:
         config["ddp_backend"] = "gloo"  # torch's CPU collectives
     if on_gpu:
         config["flash_attn"] = params.gpu.flash_attn
