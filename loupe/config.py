@@ -151,6 +151,11 @@ class ProtocolParams(Section):
     (the record). None: the protocol's own question turn. Read once, when the params are loaded."""
     system_prompt: str | None = None
     """Replaces the protocol's system prompt (a recipe's own, e.g. LMM-R1's); None keeps the protocol's."""
+    record_prompts: bool = True
+    """Whether a task record's own system prompt and question turn (`system`, `prompt`: a publisher's chat rows
+    as `loupe data import` keeps them, DeepEyes' and LMM-R1's) are shown verbatim, as upstream trains on them,
+    instead of `system_prompt` and the protocol's question turn (with `prompt_template`). Records without them
+    are rendered the protocol's way either way."""
     _template_text: str | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")

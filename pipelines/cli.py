@@ -9,10 +9,12 @@
                                                      build the embedded tiny Qwen2.5-VL offline as params.yaml's
                                                      model section describes, with its hashes (make tiny-model)
     loupe data tasks --out DIR [--params ...]        write the task set params.yaml's `data` section names
-    loupe data import FORMAT --train F [--val F | --val-size N] [--test F] --out DIR
-                                                     a recipe's published data set as a task folder (without
-                                                     --val, 5% of --train held out as val, seeded)
-                                                     (r1v, r1v_eval, easyr1, lmm_r1: loupe/data/recipe_formats.py)
+    loupe data import FORMAT --train PATH... [--val PATH... | --val-benchmark NAME PATH | --val-size N]
+                     [--test PATH...] [--image-dir DIR] --out DIR
+                                                     a seed's published data set, as downloaded, as a task
+                                                     folder (without a val split, 5% of --train held out,
+                                                     seeded): r1v, r1v_eval, easyr1, lmm_r1, mini_o3,
+                                                     deepeyes, pixel_reasoner (loupe/data/published/)
     loupe view TRAJECTORIES.jsonl --out page.html    a self-contained HTML page of trajectories with crops
     loupe serve --model DIR [--params FILE] [--host H] [--port P] [KEY.PATH=VALUE ...]
                                                      the model behind an OpenAI-compatible API with its zoom
@@ -33,6 +35,7 @@ import time
 from pathlib import Path
 
 from loupe.config import OVERRIDES_ENV, ParamsError, load_section, read_params_file
+from loupe.data.published import FORMATS
 
 
 def _cmd_model_tiny(args: argparse.Namespace) -> int:
@@ -72,15 +75,26 @@ def _cmd_data_tasks(args: argparse.Namespace) -> int:
 def _cmd_data_import(args: argparse.Namespace) -> int:
     from loupe.data.recipe_formats import import_tasks
 
-    sources = {split: path for split, path in (("train", args.train), ("val", args.val), ("test", args.test)) if path}
-    if not sources:
-        raise ValueError("data import: give at least one of --train, --val, --test")
+    sources = {split: paths for split, paths in (("train", args.train), ("val", args.val), ("test", args.test))
+               if paths}
+    if not sources and not args.val_benchmark:
+        raise ValueError("data import: give at least one of --train, --val, --test, --val-benchmark")
+    if args.val_size and (args.val or args.val_benchmark):
+        raise ValueError("data import: --val and --val-benchmark give the validation split; --val-size holds one "
+                         "out of --train: give one")
+    keys = {k: v for k, v in (("prompt_key", args.prompt_key), ("answer_key", args.answer_key),
+                              ("image_key", args.image_key), ("video_key", args.video_key)) if v is not None}
+    if args.format != "easyr1" and (keys or args.videos != "keep"):
+        raise ValueError(f"data import: --prompt-key, --answer-key, --image-key, --video-key and --videos are "
+                         f"EasyR1's settings; the {args.format} reader reads its publisher's fields")
+    options = {**keys, "videos": args.videos} if args.format == "easyr1" else {}
+    given_val = args.val or args.val_benchmark or "train" not in sources
+    val_size = 0.0 if given_val else (0.05 if args.val_size is None else args.val_size)
     started = time.perf_counter()
-    if args.val and args.val_size:
-        raise ValueError("data import: --val gives the validation split; --val-size holds one out of --train: give one")
-    val_size = 0.0 if args.val or "train" not in sources else (0.05 if args.val_size is None else args.val_size)
     written = import_tasks(args.format, sources, args.out, data_source=args.source, limit=args.limit,
-                           val_size=val_size, seed=args.seed)
+                           val_size=val_size, seed=args.seed, image_dir=args.image_dir, options=options,
+                           val_benchmarks=[(name, Path(path)) for name, path in args.val_benchmark or []],
+                           progress=True)
     for split, path in written.items():
         print(f"{split}: {path}")
     print(f"{args.format} data imported in {time.perf_counter() - started:.1f} s; point pipeline.tasks (or an eval "
@@ -137,6 +151,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     where = str(args.params) + (f" with {' '.join(overrides)}" if overrides else "")
     check_params(read_params_file(root / "params.yaml"), where)
     _check_stage_names(args.stages, root / "dvc.yaml")
+    _check_task_folders(root, where)
     # Prefect's records go to work/logs/flow.log (pipelines.flow.log_prefect_to_file); the terminal shows its
     # warnings only. Read by Prefect's logging set-up when it is imported, so set first.
     os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
@@ -178,6 +193,21 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if comparison.is_file():
         print(f"  the models compared (accuracy with its interval, accuracy vs turn limit): {comparison.as_uri()}")
     return 0
+
+
+def _check_task_folders(root: Path, where: str) -> None:
+    """Refuse a task folder that is not there and that no stage makes (the data stage makes work/data/...), naming
+    the command that makes it (`pipeline.tasks_from`), before Prefect's server starts."""
+    from pipelines.params import PipelineParams
+
+    pipeline = load_section(PipelineParams, "pipeline", root / "params.yaml")
+    for folder in pipeline.task_folders():
+        if Path(folder).as_posix().startswith("work/") or (root / folder).is_dir():
+            continue
+        how = (f"make it with: {pipeline.tasks_from}" if pipeline.tasks_from else
+               "make it from the published files with `loupe data import FORMAT ... --out DIR`")
+        raise FileNotFoundError(f"{where}: pipeline.tasks: {folder} is not a folder (a relative path is read from "
+                                f"{root}, whose data/ is the repository's); {how} (docs/recipes.md, 'Your data')")
 
 
 def _check_stage_names(names: list[str] | None, dvc_file: Path) -> None:
@@ -253,17 +283,34 @@ def build_parser() -> argparse.ArgumentParser:
     synthetic.add_argument("--out", type=Path, required=True)
     synthetic.add_argument("--params", default="params.yaml")
     synthetic.set_defaults(func=_cmd_data_tasks)
-    imported = data.add_parser("import", help="read a recipe's published data set into a task folder")
-    imported.add_argument("format", choices=["r1v", "r1v_eval", "easyr1", "lmm_r1"])
+    imported = data.add_parser("import", help="read a recipe's published data set into a task folder",
+                               description="Read a seed's published data set, as downloaded, into a task folder "
+                                           "(docs/recipes.md, each preset's 'Your data').")
+    imported.add_argument("format", choices=list(FORMATS), help="the publisher's format (loupe/data/published/)")
     for split in ("train", "val", "test"):
-        imported.add_argument(f"--{split}", type=Path, help=f"the {split} split's file (parquet, JSON or JSONL)")
+        imported.add_argument(f"--{split}", type=Path, nargs="+", metavar="PATH",
+                              help=f"the {split} split: files (parquet, JSON or JSONL) or folders of them, "
+                                   "read in order as one split (shards, or Mini-o3's two train files)")
+    imported.add_argument("--val-benchmark", nargs=2, action="append", metavar=("NAME", "PATH"),
+                          help="a benchmark's local copy as (part of) the val split, read by the eval stage's "
+                               "reader (e.g. visualprobe_hard /data/VisualProbe_Hard); repeat for several")
     imported.add_argument("--out", type=Path, required=True, help="the task folder to write (replaced whole)")
-    imported.add_argument("--source", help="data_source of the records (default: the format's name)")
+    imported.add_argument("--image-dir", type=Path, help="where the rows' image paths are rooted (Mini-o3's "
+                          "BASE_IMAGE_DIR, EasyR1's data.image_dir); default: beside the data file (Mini-o3: the "
+                          "folder above it)")
+    imported.add_argument("--source", help="data_source of every record (default: each row's own, else the format)")
     imported.add_argument("--limit", type=int, help="rows per split at most")
     imported.add_argument("--val-size", type=float, default=None,
                           help="without --val: rows of --train held out as the val split, a share below 1 or a "
                                "count (default 0.05: the presets validate on it)")
     imported.add_argument("--seed", type=int, default=0, help="seed of the held-out draw")
+    easyr1 = imported.add_argument_group("EasyR1's keys (RLHFDataset; easyr1 only)")
+    easyr1.add_argument("--prompt-key", help="the question column (default problem)")
+    easyr1.add_argument("--answer-key", help="the answer column (default answer)")
+    easyr1.add_argument("--image-key", help="the images column (default images)")
+    easyr1.add_argument("--video-key", help="the videos column (default videos)")
+    easyr1.add_argument("--videos", choices=["keep", "refuse"], default="keep",
+                        help="video rows: kept as video tasks (default), or refused with the row named")
     imported.set_defaults(func=_cmd_data_import)
 
     view = commands.add_parser("view", help="render trajectories as a self-contained HTML page")

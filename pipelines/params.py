@@ -29,6 +29,10 @@ class PipelineParams(Section):
     """Task folder the synth and rl stages read (`--tasks`, <split>.jsonl task records): the data stage's
     synthetic tasks by default; a folder of your own (e.g. VisualProbe's train set) in a real run. dvc.yaml
     fills it into those stages' commands and dependencies, so changing it reruns them."""
+    tasks_from: str | None = None
+    """How `tasks` (and the RL stages' own task folders) is made from the publisher's files, as downloaded: the
+    `loupe data import ...` command a preset names (docs/recipes.md, "Your data"). `loupe run` prints it when a
+    task folder is missing, before any stage starts; no stage reads it."""
     retries: int = Field(1, ge=0)
     """Times a failed stage is run again before the flow fails. A stage that exits with status 2 (bad input,
     named in its message) is never retried: the same input would fail the same way."""
@@ -73,6 +77,11 @@ class PipelineParams(Section):
         if len(set(names)) != len(names):
             raise ValueError(f"rl_stages: names repeat: {names}")
         return self
+
+    def task_folders(self) -> list[str]:
+        """Every task folder the synth and RL stages read (`tasks`, then each RL stage's own), each once."""
+        folders = [self.tasks] + [stage.tasks for stage in self.rl_stages if stage.tasks]
+        return list(dict.fromkeys(folders))
 
     @property
     def default_shape(self) -> bool:

@@ -6,9 +6,9 @@ with the default pipeline's, and two recipes can be run, compared and rerun side
 
     params.yaml      the recipe's file, merged over its `base` file when it names one (refreshed every run)
     dvc.yaml         the repository's dvc.yaml reshaped by the file's `pipeline` section (`shaped_stages`)
-    loupe, stages, pipelines, params, assets
-                     links to the repository's code, templates and the committed tiny model (DVC hashes
-                     through them)
+    loupe, stages, pipelines, params, assets, data
+                     links to the repository's code, templates, the committed tiny model (DVC hashes
+                     through them) and imported task folders (`data/`, made by `loupe data import`)
     work/            every output, as in the repository
 
 A recipe file may start from another: `base: params/<recipe>.yaml` at its top takes every value of that file
@@ -42,8 +42,10 @@ from loupe.data.families import DataParams
 from loupe.io import atomic_write_text
 from pipelines.params import PipelineParams
 
-LINKS = ("loupe", "stages", "pipelines", "params", "assets")
-"""Repository folders a workspace reaches through links: the stages' code and the recipes' templates."""
+LINKS = ("loupe", "stages", "pipelines", "params", "assets", "data")
+"""Repository folders a workspace reaches through links: the stages' code, the recipes' templates, and `data/`,
+where the presets' headers import the publishers' sets (`loupe data import ... --out data/<name>`), so a
+preset's relative task folder names the same folder from the repository and from its workspace."""
 RUNS = Path("work") / "runs"
 
 

@@ -63,13 +63,13 @@ def test_r1v_text_only_parquet_has_no_image_column(tmp_path):
 
 
 def test_r1v_eval_prompts_as_published(tmp_path):
-    out = import_tasks("r1v_eval", {"test": FIXTURES / "r1v_eval" / "superclevr_test200_counting_problems.jsonl"},
+    out = import_tasks("r1v_eval", {"test": FIXTURES / "r1v_eval" / "prompts" / "superclevr_test200_counting_problems.jsonl"},
                        tmp_path / "superclevr", data_source="superclevr")
     tasks = read_tasks(out["test"])
     assert [t.solution for t in tasks] == ["4", "9", "10"]  # published as ints
     assert tasks[0].problem == "How many different items are there in the image?"
     assert all(t.data_source == "superclevr" and len(t.images) == 1 for t in tasks)
-    geo = read_tasks(import_tasks("r1v_eval", {"test": FIXTURES / "r1v_eval" / "geoqa_test_prompts.jsonl"},
+    geo = read_tasks(import_tasks("r1v_eval", {"test": FIXTURES / "r1v_eval" / "prompts" / "geoqa_test_prompts.jsonl"},
                                   tmp_path / "geoqa")["test"])
     assert geo[0].solution == "140°" and math_equal("140", geo[0].solution)
     assert (tmp_path / "geoqa" / geo[2].images[0]).is_file()
@@ -98,7 +98,7 @@ def test_lmm_r1_stringified_messages(tmp_path):
     assert [t.solution for t in tasks] == ["$\\boxed{60}$", "$\\boxed{A}$"]
     assert tasks[0].problem.startswith("Which number should be written in place of the question mark?")
     assert tasks[0].problem.count("<image>") == 1
-    assert "boxed" in tasks[0].model_extra["system"]
+    assert "boxed" in tasks[0].system  # the data's system message, shown as the dialogue's (protocol.record_prompts)
     assert Image.open(tmp_path / "tasks" / tasks[1].images[0]).format == "JPEG"
     assert math_equal("60", tasks[0].solution) and math_equal("\\boxed{60}", tasks[0].solution)
 

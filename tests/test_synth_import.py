@@ -15,7 +15,7 @@ from test_synth_support import write_params
 from loupe.protocol import get_protocol
 from stages.synth.__main__ import main
 from stages.synth.dataset import DATASET_NAME
-from stages.synth.importer import ImportFormatError, parse_conversations
+from stages.synth.import_formats import ImportFormatError, parse_conversations
 
 MINI_O3 = get_protocol("mini_o3")
 THEIR_SYSTEM = "You are a helpful assistant. Think, zoom with <grounding>, answer in <answer>."
@@ -119,7 +119,7 @@ def test_code_in_a_row_is_refused_never_run(tmp_path, monkeypatch, capsys):
     path = write_parquet(tmp_path / "evil.parquet", [row(attack, [ORIGINAL], ["a.jpg"], 0)])
     code, _ = run_import(tmp_path, path)
     err = capsys.readouterr().err
-    assert code == 2 and "evil.parquet: row 0: field 'conversations'" in err and len(err.strip().splitlines()) == 1
+    assert code == 2 and "evil.parquet: row 1: field 'conversations'" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "PWNED").exists()
 
 
@@ -139,17 +139,17 @@ def test_missing_columns_and_files_are_named(tmp_path, capsys):
     code, _ = run_import(tmp_path, tmp_path / "other.parquet")
     assert code == 2 and "other.parquet: column(s) ['conversations', 'images'] missing" in capsys.readouterr().err
     code, _ = run_import(tmp_path, tmp_path / "absent")
-    assert code == 2 and "absent: parquet file or folder not found" in capsys.readouterr().err
+    assert code == 2 and "absent is neither a file nor a folder" in capsys.readouterr().err
 
 
 def test_a_folder_with_a_train_split_imports_only_its_train_files(tmp_path):
-    from stages.synth.importer import parquet_files
+    from stages.synth.importer import data_files
 
     folder = tmp_path / "Mini-o3-Coldstart-Dataset" / "data"
     folder.mkdir(parents=True)
     for name in ("train-00000-of-00002.parquet", "train-00001-of-00002.parquet", "test-00000-of-00001.parquet"):
         write_parquet(folder / name, [row(json.dumps(good_dialogue("red")), [ORIGINAL, CROP], ["a.jpg", "b.png"], 0)])
-    assert [f.name for f in parquet_files(folder.parent)] == ["train-00000-of-00002.parquet", "train-00001-of-00002.parquet"]
+    assert [f.name for f in data_files(folder.parent)] == ["train-00000-of-00002.parquet", "train-00001-of-00002.parquet"]
 
 
 def test_a_rollout_index_that_is_not_a_number_is_named(tmp_path, capsys):
@@ -165,10 +165,88 @@ def test_a_rollout_index_that_is_not_a_number_is_named(tmp_path, capsys):
 
 
 def test_a_train_folder_is_the_train_split_too(tmp_path):
-    from stages.synth.importer import parquet_files
+    from stages.synth.importer import data_files
 
     for split in ("train", "test"):
         (tmp_path / "data" / split).mkdir(parents=True)
         write_parquet(tmp_path / "data" / split / "0000.parquet",
                       [row(json.dumps(good_dialogue("red")), [ORIGINAL, CROP], ["a.jpg", "b.png"], 0)])
-    assert parquet_files(tmp_path) == [tmp_path / "data" / "train" / "0000.parquet"]
+    assert data_files(tmp_path) == [tmp_path / "data" / "train" / "0000.parquet"]
+
+
+PIXEL_CALL = ('<think>The label is small.</think>\n<tool_call>\n{"name": "crop_image_normalized", "arguments": '
+              '{"bbox_2d": [0.1, 0.2, 0.5, 0.6], "target_image": 1}}\n</tool_call>')
+
+
+def pixel_reasoner_row(answer: str, image: str, crop: str) -> dict:
+    """One PixelReasoner-SFT-Data row (instruction_tuning/sft_tooltrainer.py:372-380 renders `message_list`)."""
+    from loupe.protocol.pixel_reasoner import PIXEL_REASONER_OBSERVATION
+
+    return {"message_list": [
+        {"role": "system", "content": [{"type": "text", "text": "You are a helpful assistant."}]},
+        {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "Which colour?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": PIXEL_CALL}]},
+        {"role": "user", "content": [{"text": PIXEL_REASONER_OBSERVATION.format(width=224, height=168)},
+                                     {"image": crop}]},
+        {"role": "assistant", "content": f"<think>It is {answer}.</think>\n\\boxed{{{answer}}}"},
+    ], "question_image_path": image, "qid": f"q-{answer}"}
+
+
+def test_pixel_reasoner_sft_data_imports_its_message_lists_with_images_from_the_zip(tmp_path):
+    import zipfile
+
+    folder = tmp_path / "PixelReasoner-SFT-Data"
+    folder.mkdir()
+    with zipfile.ZipFile(folder / "images.zip", "w") as archive:
+        archive.writestr("images/a.jpg", ORIGINAL)
+        archive.writestr("images/a_crop.png", CROP)
+    rows = [pixel_reasoner_row("red", "images/a.jpg", "images/a_crop.png"),
+            pixel_reasoner_row("blue", "/home/ma-user/data/images/a.jpg", "images/a_crop.png")]
+    (folder / "release.json").write_text(json.dumps(rows))
+    params = write_params(tmp_path / "params.yaml", {"teacher": "import", "import": {"format": "pixel_reasoner",
+                                                                                   "path": str(folder)}},
+                          protocol={"name": "pixel_reasoner"})
+    code = main(["--params", str(params), "--out", str(tmp_path / "out"), "--no-progress"])
+    assert code == 0
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert metrics["trajectories"] == 2 and metrics["accepted"] == 2, metrics
+    records = json.loads((tmp_path / "out" / "dataset" / f"{DATASET_NAME}.json").read_text())
+    first = records[0]
+    assert [m["from"] for m in first["conversations"]] == ["system", "human", "gpt", "human", "gpt"]
+    assert first["conversations"][1]["value"] == "<image>Which colour?"
+    assert first["conversations"][2]["value"] == PIXEL_CALL
+    assert [(tmp_path / "out" / "dataset" / p).read_bytes() for p in first["images"]] == [ORIGINAL, CROP]
+
+
+def test_r1v_cot_rows_become_one_turn_with_the_image_after_the_problem(tmp_path):
+    import datasets
+
+    source = tmp_path / "Clevr_CoGenT_TrainA_R1" / "data" / "train-00000-of-00001.parquet"
+    source.parent.mkdir(parents=True)
+    datasets.Dataset.from_dict(
+        {"image": [ORIGINAL], "problem": ["How many objects are there?"],
+         "thinking": ["<think>I count three cubes.</think>"], "solution": ["<answer> 3 </answer>"]},
+        features=datasets.Features({"image": datasets.Image(), "problem": datasets.Value("string"),
+                                    "thinking": datasets.Value("string"), "solution": datasets.Value("string")}),
+    ).to_parquet(str(source))
+    params = write_params(tmp_path / "params.yaml", {"teacher": "import", "min_tool_calls": 0,
+                                                     "import": {"format": "r1v_cot", "path": str(source.parent.parent),
+                                                                "system_prompt": "keep"}},
+                          protocol={"name": "single_turn", "max_turns": 1})
+    assert main(["--params", str(params), "--out", str(tmp_path / "out"), "--no-progress"]) == 0
+    [record] = json.loads((tmp_path / "out" / "dataset" / f"{DATASET_NAME}.json").read_text())
+    from stages.synth.import_formats import R1V_SYSTEM_PROMPT
+
+    assert record["conversations"] == [
+        {"from": "system", "value": R1V_SYSTEM_PROMPT},
+        {"from": "human", "value": "How many objects are there?<image>"},
+        {"from": "gpt", "value": "<think>I count three cubes.</think>\n\n<answer> 3 </answer>"}]
+    assert (tmp_path / "out" / "dataset" / record["images"][0]).read_bytes() == ORIGINAL
+
+
+def test_a_pixel_reasoner_row_with_a_missing_image_names_it(tmp_path, capsys):
+    (tmp_path / "sft.json").write_text(json.dumps([pixel_reasoner_row("red", "images/none.jpg", "images/none.png")]))
+    params = write_params(tmp_path / "params.yaml", {"teacher": "import", "import": {"format": "pixel_reasoner",
+                                                                                   "path": str(tmp_path / "sft.json")}})
+    assert main(["--params", str(params), "--out", str(tmp_path / "out"), "--no-progress"]) == 2
+    assert "sft.json:1: field 'message_list.1.content.0.image': image 'images/none.jpg' not found" in capsys.readouterr().err

@@ -661,24 +661,30 @@ def _read_base64_table(name: str, path: Path, cache_dir: Path) -> Benchmark:
 
 def _read_r1v_eval(name: str, path: Path, cache_dir: Path) -> Benchmark:
     """R1-V's test prompts (`src/eval/prompts/superclevr_test200_counting_problems.jsonl`,
-    `geoqa_test_prompts.jsonl`): JSONL of `image_path` (relative to the file), `question`, `ground_truth`;
-    read by loupe.data.recipe_formats.read_r1v_eval, the same reader `loupe data import r1v_eval` uses."""
-    from loupe.data.recipe_formats import RecipeFormatError, read_r1v_eval
+    `geoqa_test_prompts.jsonl`): JSONL of `image_path`, `question`, `ground_truth`, read by
+    loupe.data.published.r1v.read_r1v_eval, the reader `loupe data import r1v_eval` uses. The images lie beside
+    the file or, as R1-V's README lays them out, in the prompts folder's parent (`src/eval/images/...`, where its
+    test scripts run), which is then the image root."""
+    from loupe.data.published import RecipeFormatError
+    from loupe.data.published.r1v import read_r1v_eval
 
     default = {"superclevr": "superclevr_test200_counting_problems.jsonl", "geoqa": "geoqa_test_prompts.jsonl"}
     file = _file_in(name, path, (default.get(name, ""),), (".jsonl",))
-    tasks, seen = [], {}
     try:
-        for index, raw in enumerate(read_r1v_eval(file)):
-            image = Path(os.path.relpath(raw.images[0], file.parent)).as_posix()
-            record = {"doc_id": f"{name}-{index:05d}", "images": [image], "problem": raw.problem,
-                      "solution": raw.solution, "data_source": name}
-            task = _make_task(record, f"{file}:{index + 1}", seen)
-            _check_images(task, file.parent, f"{file}:{index + 1}", "image_path")
-            tasks.append(task)
+        raws = list(read_r1v_eval(file))
     except RecipeFormatError as err:
         raise BenchmarkFormatError(str(err)) from None
-    return Benchmark(name, tasks, file.parent)
+    root = file.parent if all(Path(r.images[0]).is_relative_to(file.parent) for r in raws) else file.parent.parent
+    tasks: list[TaskRecord] = []
+    seen: dict[str, str] = {}
+    for index, raw in enumerate(raws):
+        image = Path(os.path.relpath(Path(raw.images[0]), root)).as_posix()  # type: ignore[arg-type]
+        record = {"doc_id": f"{name}-{index:05d}", "images": [image], "problem": raw.problem,
+                  "solution": raw.solution, "data_source": name}
+        task = _make_task(record, f"{file}:{index + 1}", seen)
+        _check_images(task, root, f"{file}:{index + 1}", "image_path")
+        tasks.append(task)
+    return Benchmark(name, tasks, root)
 
 
 BENCHMARKS: dict[str, BenchmarkReader] = {

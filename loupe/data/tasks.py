@@ -118,6 +118,16 @@ class TaskRecord(BaseModel):
     operation: str | None = None
     """The visual operation that answers the question (a name in loupe.visual_ops: `read_text`, `segment_at`,
     `track_object`), for the oracle teacher, which calls it on `bbox`; None: a crop answers it, or nothing."""
+    system: str | None = None
+    """The dialogue's system prompt as the publisher's data writes it (DeepEyes' and LMM-R1's chat rows hold
+    one), shown instead of the protocol's while `protocol.record_prompts` is on; None: the protocol's."""
+    prompt: str | None = None
+    """The question turn as the publisher's data writes it, one image placeholder per image (DeepEyes' user
+    message: the question and its format instructions), shown verbatim instead of the protocol's rendering of
+    `problem` while `protocol.record_prompts` is on. `problem` stays what a judge is asked."""
+    source_id: str | None = None
+    """The publisher's own id of the question (Mini-o3's doc_id, DeepEyes' extra_info.index, Pixel-Reasoner's
+    qid), kept by `loupe data import`, whose `doc_id`s are its own (unique in the folder)."""
 
     @field_validator("bbox")
     @classmethod
@@ -141,6 +151,20 @@ class TaskRecord(BaseModel):
                              "give none (one per image is added) or exactly one per image")
         if any(IMAGE_PLACEHOLDER in option for option in self.options or []):
             raise ValueError(f"options: an option may not hold the image placeholder {IMAGE_PLACEHOLDER}")
+        return self
+
+    @model_validator(mode="after")
+    def _own_prompt_places_every_image(self) -> "TaskRecord":
+        if self.prompt is None:
+            return self
+        if not self.prompt.strip():
+            raise ValueError("prompt: an empty question turn")
+        if self.video is not None:
+            raise ValueError("prompt: a video task's frame count is known only once it is read, so its question "
+                             "turn is the protocol's")
+        if self.prompt.count(IMAGE_PLACEHOLDER) != len(self.images):
+            raise ValueError(f"prompt: holds {self.prompt.count(IMAGE_PLACEHOLDER)} {IMAGE_PLACEHOLDER} placeholders "
+                             f"for {len(self.images)} images; a record's own question turn places every image itself")
         return self
 
     @model_validator(mode="after")

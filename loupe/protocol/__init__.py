@@ -126,6 +126,7 @@ def make_protocol(params: Any) -> Protocol:
     protocol.extra_arguments = tuple(getattr(params, "tool_extra_arguments", ()) or ())
     protocol.clamp_boxes = getattr(params, "out_of_range_boxes", "refuse") == "clamp"
     protocol.turn_reading = getattr(params, "turn_reading", "first_call")
+    protocol.record_prompts = getattr(params, "record_prompts", True)
     return protocol
 
 

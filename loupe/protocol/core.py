@@ -229,6 +229,8 @@ class Protocol:
     turn_reading: str = "first_call"
     """`first_call` or `deepeyes` (`protocol.turn_reading`): which call of a turn is read, and whether an answer
     beside a call wins."""
+    record_prompts: bool = True
+    """Whether a record's own `system` and `prompt` are shown as they are (`protocol.record_prompts`)."""
 
     def can_call(self, tool: str) -> bool:
         """Whether this grammar has a call for the registered tool `tool` (teachers check before writing one)."""
@@ -267,9 +269,19 @@ class Protocol:
     def default_system_prompt(self) -> str:
         raise NotImplementedError
 
+    def task_system_prompt(self, task: TaskRecord) -> str:
+        """The system prompt of a dialogue about `task`: the record's own when it has one and `record_prompts`,
+        else `system_prompt()`."""
+        if self.record_prompts and task.system is not None:
+            return task.system
+        return self.system_prompt()
+
     def question_text(self, task: TaskRecord) -> str:
-        """The first user turn: the protocol's (`protocol_question_text`), or the prompt template rendered over
-        it; a template that drops or adds image placeholders raises ValueError naming the task."""
+        """The first user turn: the record's own `prompt` when it has one and `record_prompts`, else the
+        protocol's (`protocol_question_text`) or the prompt template rendered over it; a template that drops or
+        adds image placeholders raises ValueError naming the task."""
+        if self.record_prompts and task.prompt is not None:
+            return task.prompt
         content = self.protocol_question_text(task)
         if self.template is None:
             return content

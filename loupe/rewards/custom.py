@@ -35,8 +35,9 @@ def load_custom_reward(spec: str) -> Callable[..., RewardParts]:
 
     A verl reward function, `compute_score(data_source, solution_str, ground_truth, extra_info)`, is called the
     verl way instead (`VERL_ARGUMENTS`): the wrapper then needs `task` and `response` (the assistant turns'
-    text, joined by newlines: one turn is verl's decoded response exactly) and passes the record's extra fields
-    as `extra_info`. A dict it returns gives the total from `score` and the accuracy from `acc` when present.
+    text, joined by newlines: one turn is verl's decoded response exactly) and passes as `extra_info` the row's
+    own `extra_info` when the record keeps one (`loupe data import deepeyes`), else the record's extra fields. A
+    dict it returns gives the total from `score` and the accuracy from `acc` when present.
     """
     path_text, sep, name = spec.rpartition(":")
     if not sep or not path_text or not name:
@@ -103,6 +104,8 @@ def _verl_reward(function: Callable[..., Any], spec: str, name: str) -> Callable
 
     def verl_reward(*, task: Any, response: str, **_: Any) -> RewardParts:
         extra = dict(getattr(task, "model_extra", None) or {})
+        if isinstance(extra.get("extra_info"), dict):  # the publisher's own, kept whole by the import
+            extra = dict(extra["extra_info"])
         value = function(data_source=task.data_source, solution_str=response, ground_truth=task.solution,
                          extra_info=extra)
         accuracy = None

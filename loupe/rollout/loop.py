@@ -104,7 +104,7 @@ class Rollout:
                 traj_id=f"{task.doc_id}#{k}",
                 task=task.model_dump(exclude_none=True),
                 protocol=protocol.name,
-                system=protocol.system_prompt(),
+                system=protocol.task_system_prompt(task),
                 sample_index=k,
                 meta={"engine": engine.name},
             )

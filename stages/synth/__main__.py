@@ -2,7 +2,7 @@
 
 Reads the `synth` section of params.yaml (plus `seed`, `protocol` and, for the openai teacher, `rollout`). The
 teacher (`synth.teacher`) is `oracle` (synthetic tasks with known target boxes), `openai` (any
-OpenAI-compatible VLM) or `import` (Mini-o3's cold-start parquet, `synth.import.path`). Each trajectory is
+OpenAI-compatible VLM) or `import` (a publisher's cold-start set, `synth.import`). Each trajectory is
 scored by loupe.rewards and kept only if it passes rejection (stages/synth/rejection.py). Writes into --out:
 
     dataset/                 the LLaMA-Factory dataset folder (`dataset_dir` for the sft stage): loupe_synth.json,
@@ -89,9 +89,9 @@ def _synthesize(seed: int, params: SynthParams, protocol_params: ProtocolParams,
     }
     usage: dict[str, Any] | None = None
     if params.teacher == "import":
-        from stages.synth.importer import parquet_files
+        from stages.synth.importer import data_files
 
-        files = parquet_files(params.import_.path)  # type: ignore[arg-type]
+        files = data_files(params.import_.path, params.import_.format)  # type: ignore[arg-type]
         fingerprint["files"] = [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
         store = ShardStore(out_dir / "shards", fingerprint)
         shards = _import_shards(params, protocol, protocol_params, rules, store, progress)
@@ -222,7 +222,8 @@ def _import_shards(params: SynthParams, protocol: Protocol, protocol_params: Pro
     count = total_kept = 0
     bar = tqdm(desc="synth import", unit="row", disable=not progress)
     try:
-        for index, rows in enumerate(iter_rows(settings.path, settings.batch_rows, settings.limit)):  # type: ignore[arg-type]
+        for index, rows in enumerate(iter_rows(settings.path, settings.batch_rows, settings.limit,  # type: ignore[arg-type]
+                                               settings.format)):
             count = index + 1
             if store.is_done(index):
                 total_kept += store.manifest(index).get("kept", 0)
@@ -232,7 +233,8 @@ def _import_shards(params: SynthParams, protocol: Protocol, protocol_params: Pro
             for offset, row in enumerate(rows):
                 trajectory, images = row_to_trajectory(row, index * settings.batch_rows + offset, protocol,
                                                        settings.system_prompt == "keep",
-                                                       protocol_params.max_decode_pixels)
+                                                       protocol_params.max_decode_pixels, settings.format,
+                                                       Path(settings.image_dir) if settings.image_dir else None)
                 trajectories.append(trajectory)
                 files.update(images)
             _judge_and_filter(trajectories, params, protocol, rules, None)

@@ -1,24 +1,17 @@
-"""The import teacher: Mini-o3's cold-start set (parquet) from a local copy, read without `eval()`.
+"""The import teacher: a publisher's cold-start SFT set from a local copy, as trajectories.
 
-Mini-o3-Coldstart-Dataset rows hold `conversations` (a list of {"from": system|human|gpt, "value": text}
-stored as a *string*: the printed Python list, which Mini-o3's own preprocessing script turns back into data
-with `eval()`), `images` (Hugging Face image structs {"bytes", "path"}), `image_names`, `data_source`,
-`sample_index` and `rollout_index`. Here the string is read as JSON when it is JSON, else with
-`ast.literal_eval`, which accepts literals only: a row holding code fails with its row and field named
-instead of running it.
-
-Each row becomes a `Trajectory` (human turns are user turns, observations included; gpt turns are assistant
-turns, parsed by the protocol like a model's), so imported rows pass the same rejection checks and reach the
-dataset through the same writer as the other teachers. Images keep their original bytes and names (no
-re-encoding); rows whose images are unreadable or over `protocol.max_decode_pixels` are rejected as
-`bad_image`. The set holds no solutions, so answers are not re-scored: Mini-o3 kept only correct ones.
+`synth.import.format` names the set (stages/synth/import_formats.py reads each: Mini-o3-Coldstart-Dataset,
+PixelReasoner-SFT-Data, R1-V's chain-of-thought set). Each row becomes a `Trajectory` (human turns are user
+turns, observations included; gpt turns are assistant turns, parsed by the protocol like a model's), so imported
+rows pass the same rejection checks and reach the dataset through the same writer as the other teachers. Images
+keep their original bytes and names (no re-encoding); rows whose images are unreadable or over
+`protocol.max_decode_pixels` are rejected as `bad_image`. The sets hold no separate solutions, so answers are
+not re-scored: their publishers kept only correct ones.
 """
 
 from __future__ import annotations
 
-import ast
 import io
-import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,17 +19,14 @@ from typing import Any
 
 from PIL import Image
 
-from loupe.images import image_cell
+from loupe.data.published.rows import DATA_SUFFIXES, ImageFinder, RecipeFormatError, rows, split_files
 from loupe.protocol import IMAGE_PLACEHOLDER, Protocol
 from loupe.trajectory import Trajectory, Turn
+from stages.synth.import_formats import READERS, REQUIRED_COLUMNS, SUFFIXES, Dialogue, ImportFormatError
 
-REQUIRED_COLUMNS = ("conversations", "images")
 ROLES = {"human": "user", "gpt": "assistant"}
-DATA_SOURCE = "mini_o3_coldstart"
 
-
-class ImportFormatError(ValueError):
-    """A parquet file or row that is not in the cold-start format; names the file, row and field."""
+__all__ = ["ImportFormatError", "data_files", "iter_rows", "row_to_trajectory"]
 
 
 def _whole_number(value: Any, where: str, field: str) -> int:
@@ -52,84 +42,57 @@ def _whole_number(value: Any, where: str, field: str) -> int:
     return int(number)
 
 
-def parquet_files(path: str | Path) -> list[Path]:
-    """The parquet files of the train split: a file itself, or a folder's `train-*.parquet` files when it has any
-    (Mini-o3's scripts/preprocess_coldstart.py reads `load_dataset(path, split="train")`), else all of them."""
-    path = Path(path)
-    if path.is_file():
-        return [path]
-    if path.is_dir():
-        files = sorted(path.rglob("*.parquet"))
-        # Hugging Face names a split's files train-*.parquet, or puts them in a train/ folder.
-        train = [f for f in files if f.name.startswith("train") or "train" in f.relative_to(path).parts[:-1]]
-        if files:
-            return train or files
-        raise FileNotFoundError(f"{path}: no *.parquet file in this folder")
-    raise FileNotFoundError(f"{path}: parquet file or folder not found")
+def data_files(path: str | Path, format: str = "mini_o3") -> list[Path]:
+    """The files of the train split at `path`: a file itself, or a folder's files of the format's kinds, those
+    named for the train split when some are (Mini-o3's scripts/preprocess_coldstart.py reads
+    `load_dataset(path, split="train")`)."""
+    if format not in READERS:
+        raise ValueError(f"synth.import.format: unknown format {format!r}; known: {', '.join(READERS)}")
+    return split_files(Path(path), "train", SUFFIXES.get(format, DATA_SUFFIXES))
 
 
 Row = tuple[Path, int, dict[str, Any]]
-"""A parquet row with where it came from: (file, row number in the file, column values)."""
+"""A row with where it came from: (file, row number in the file from 1, column values)."""
 
 
-def iter_rows(path: str | Path, batch_rows: int, limit: int | None = None) -> Iterator[list[Row]]:
-    """Batches of rows from every parquet file under `path`, `batch_rows` at a time, the first `limit` only."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
+def iter_rows(path: str | Path, batch_rows: int, limit: int | None = None,
+              format: str = "mini_o3") -> Iterator[list[Row]]:
+    """Batches of rows from every file of the set at `path`, `batch_rows` at a time, the first `limit` only."""
     seen = 0
     batch: list[Row] = []
-    for file in parquet_files(path):
+    for file in data_files(path, format):
+        _check_columns(file, format)
         try:
-            reader = pq.ParquetFile(file)
-        except (OSError, pa.ArrowException) as err:
-            raise ImportFormatError(f"{file}: not a readable parquet file ({err})") from None
-        missing = [c for c in REQUIRED_COLUMNS if c not in reader.schema_arrow.names]
-        if missing:
-            raise ImportFormatError(f"{file}: column(s) {missing} missing; found {reader.schema_arrow.names}")
-        row_in_file = 0
-        for record_batch in reader.iter_batches(batch_size=batch_rows):
-            for row in record_batch.to_pylist():
+            for number, row in rows(file):
                 if limit is not None and seen >= limit:
                     if batch:
                         yield batch
                     return
-                batch.append((file, row_in_file, row))
-                row_in_file += 1
+                batch.append((file, number, row))
                 seen += 1
                 if len(batch) == batch_rows:
                     yield batch
                     batch = []
+        except RecipeFormatError as err:
+            raise ImportFormatError(str(err)) from None
     if batch:
         yield batch
 
 
-def parse_conversations(value: Any, where: str) -> list[dict[str, str]]:
-    """The row's conversation as a list of {"from", "value"}: JSON, a Python literal, or already a list."""
-    if isinstance(value, bytes):
-        value = value.decode("utf-8", errors="replace")
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError:
-            try:
-                value = ast.literal_eval(value.strip())
-            except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-                raise ImportFormatError(
-                    f"{where}: field 'conversations': neither JSON nor a Python literal (never evaluated as code)"
-                ) from None
-    if not isinstance(value, list) or not value:
-        raise ImportFormatError(f"{where}: field 'conversations': expected a non-empty list of messages")
-    messages = []
-    for i, message in enumerate(value):
-        if not isinstance(message, dict) or not isinstance(message.get("value"), str):
-            raise ImportFormatError(f"{where}: field 'conversations.{i}': expected {{'from': ..., 'value': text}}")
-        if message.get("from") not in ("system", "human", "gpt"):
-            raise ImportFormatError(
-                f"{where}: field 'conversations.{i}.from': {message.get('from')!r} is not system, human or gpt"
-            )
-        messages.append({"from": message["from"], "value": message["value"]})
-    return messages
+def _check_columns(file: Path, format: str) -> None:
+    """A parquet file without the format's columns is named at once, with the columns it has."""
+    if file.suffix.lower() != ".parquet":
+        return
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        names = pq.read_schema(file).names
+    except (OSError, pa.ArrowException) as err:
+        raise ImportFormatError(f"{file}: not a readable parquet file ({err})") from None
+    missing = [c for c in REQUIRED_COLUMNS[format] if c not in names]
+    if missing:
+        raise ImportFormatError(f"{file}: column(s) {missing} missing; found {names}")
 
 
 def _safe_name(name: str, fallback: str) -> str:
@@ -138,38 +101,26 @@ def _safe_name(name: str, fallback: str) -> str:
     return cleaned if cleaned.strip("._") else fallback
 
 
-def image_bytes(value: Any, where: str, base_dir: Path) -> bytes:
-    """The encoded bytes of one `images` entry: a {"bytes", "path"} struct, raw bytes, or a path beside the file."""
-    value = image_cell(value)
-    if isinstance(value, bytes):
-        return value
-    if isinstance(value, str):
-        path = (base_dir / value).resolve()
-        if not path.is_relative_to(base_dir.resolve()) or not path.is_file():
-            raise ImportFormatError(f"{where}: field 'images': {value!r} is neither embedded nor a file beside the parquet")
-        return path.read_bytes()
-    raise ImportFormatError(f"{where}: field 'images': an entry holds no image bytes or path")
-
-
 def row_to_trajectory(
-    source_row: Row, number: int, protocol: Protocol, keep_system: bool, max_decode_pixels: int
+    source_row: Row, number: int, protocol: Protocol, keep_system: bool, max_decode_pixels: int,
+    format: str = "mini_o3", image_dir: Path | None = None,
 ) -> tuple[Trajectory, dict[str, bytes]]:
     """Row `number` (counted over all files) as a finished trajectory, plus the image files to write beside it
     (relative path -> bytes)."""
     file, row_in_file, row = source_row
     where = f"{file}: row {row_in_file}"
-    messages = parse_conversations(row.get("conversations"), where)
-    images = row.get("images")
-    if not isinstance(images, list):
-        raise ImportFormatError(f"{where}: field 'images': expected a list")
-    names = row.get("image_names") if isinstance(row.get("image_names"), list) else []
-    base_dir = file.parent
+    if not isinstance(row, dict):
+        raise ImportFormatError(f"{where}: a row must be an object, not {type(row).__name__}")
+    archive = file.parent / "images.zip"
+    finder = ImageFinder(file, image_dir, archive=archive if archive.is_file() else None)
+    dialogue: Dialogue = READERS[format](file, row_in_file, row, finder)
+    messages = list(dialogue.messages)
     folder = f"images/row-{number:07d}"
     files: dict[str, bytes] = {}
     paths: list[str] = []
     reject = None
-    for i, value in enumerate(images):
-        data = image_bytes(value, where, base_dir)
+    for i, data in enumerate(dialogue.images):
+        names = dialogue.names
         name = _safe_name(names[i] if i < len(names) and names[i] else "", f"{i}.png")
         relative = f"{folder}/{i:02d}-{name}"
         files[relative] = data
@@ -180,17 +131,18 @@ def row_to_trajectory(
     if messages[0]["from"] == "system":
         own = messages.pop(0)["value"]
         system = own if keep_system else system
-    source = str(row.get("data_source") or DATA_SOURCE)
-    doc_id = f"{source}/{row.get('sample_index', number)}"
+    source = dialogue.data_source
+    sample_index = number if dialogue.sample_index is None else dialogue.sample_index
     trajectory = Trajectory(
         traj_id=f"import-{number:07d}",
-        task={"doc_id": doc_id, "images": paths[:1], "problem": "", "solution": "", "data_source": source},
+        task={"doc_id": f"{source}/{sample_index}", "images": paths[:1], "problem": "", "solution": "",
+              "data_source": source},
         protocol=protocol.name,
         system=system,
         images=paths,
-        sample_index=_whole_number(row.get("rollout_index"), where, "rollout_index"),
+        sample_index=_whole_number(dialogue.rollout_index, where, "rollout_index"),
         meta={"teacher": "import", "imported": True, "source": where,
-              "sample_index": row.get("sample_index"), "rollout_index": row.get("rollout_index")},
+              "sample_index": dialogue.sample_index, "rollout_index": dialogue.rollout_index},
     )
     _fill_turns(trajectory, messages, protocol)
     if reject:

@@ -91,10 +91,18 @@ class OpenAITeacherParams(Section):
 
 
 class ImportParams(Section):
-    """The import teacher: Mini-o3's cold-start parquet from a local copy."""
+    """The import teacher: a publisher's cold-start SFT set from a local copy (stages/synth/import_formats.py)."""
 
+    format: Literal["mini_o3", "pixel_reasoner", "r1v_cot"] = "mini_o3"
+    """The set's publisher: `mini_o3` (Mini-o3-Coldstart-Dataset, parquet), `pixel_reasoner`
+    (PixelReasoner-SFT-Data, a JSON list of `message_list` chats), `r1v_cot` (R1-V's R1-distilled
+    chain-of-thought set: `image`, `problem`, `thinking`, `solution`)."""
     path: str | None = None
-    """A parquet file, or a folder whose *.parquet files are read in name order (Mini-o3-Coldstart-Dataset)."""
+    """A data file, or a folder whose files of the format are read in name order (its train files when some are
+    named so)."""
+    image_dir: str | None = None
+    """Where image paths in the rows are rooted (PixelReasoner-SFT-Data names files); None: beside the data
+    file, its `images.zip`, or by the paths' trailing parts there."""
     system_prompt: Literal["protocol", "keep"] = "protocol"
     """`protocol` replaces each record's system prompt with this protocol's (what rl and eval prompt with);
     `keep` keeps the record's own."""
@@ -117,7 +125,7 @@ class SynthParams(Section):
 
     teacher: Literal["oracle", "openai", "import"] = "oracle"
     """Who writes the trajectories: `oracle` (synthetic tasks with a known target box), `openai` (any
-    OpenAI-compatible VLM) or `import` (Mini-o3's cold-start parquet)."""
+    OpenAI-compatible VLM) or `import` (a publisher's cold-start set, `import.format`)."""
     split: str = "train"
     """Task file read from --tasks: `<split>.jsonl` (oracle and openai teachers)."""
     limit: int | None = Field(None, ge=1)
@@ -153,5 +161,5 @@ class SynthParams(Section):
     @model_validator(mode="after")
     def _import_has_a_path(self) -> SynthParams:
         if self.teacher == "import" and not self.import_.path:
-            raise ValueError("import.path: the import teacher needs the path of Mini-o3's cold-start parquet")
+            raise ValueError("import.path: the import teacher needs the path of the cold-start set (import.format)")
         return self
