@@ -226,3 +226,28 @@ def test_loupe_run_refuses_a_reshaped_params_yaml(tmp_path, monkeypatch, capsys)
     monkeypatch.chdir(tmp_path)
     assert main(["run"]) == 2
     assert "loupe run --params FILE" in capsys.readouterr().err
+
+
+def test_a_preset_without_its_task_folder_names_the_command_that_makes_it(tmp_path, monkeypatch, capsys):
+    """A preset's imported task folder is checked before Prefect starts; the message is the preset's own
+    `pipeline.tasks_from`. The workspace sees the repository's data/, where the presets' headers import to."""
+    import pipelines.flow
+    from pipelines.cli import main
+
+    for name in ("dvc.yaml", ".dvcignore"):
+        (tmp_path / name).write_text((ROOT / name).read_text())
+    (tmp_path / "params").symlink_to(ROOT / "params")
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "--params", "params/lmm-r1.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert "pipeline.tasks: data/fre is not a folder" in err
+    assert "make it with: loupe data import lmm_r1 --train /path/to/deepscaler_message.jsonl" in err
+    (tmp_path / "data" / "fre").mkdir(parents=True)
+    assert main(["run", "--params", "params/lmm-r1.yaml"]) == 2
+    assert "data/mgt_geo is not a folder" in capsys.readouterr().err  # each RL stage's own folder too
+    (tmp_path / "data" / "mgt_geo").mkdir()
+    ran = []
+    monkeypatch.setattr(pipelines.flow, "log_prefect_to_file", lambda root: None)
+    monkeypatch.setattr(pipelines.flow, "loupe_pipeline", lambda **kw: ran.append(kw) or [])
+    assert main(["run", "--params", "params/lmm-r1.yaml"]) == 0 and len(ran) == 1
+    assert (tmp_path / "work" / "runs" / "lmm-r1" / "data" / "mgt_geo").is_dir()  # through the workspace's link

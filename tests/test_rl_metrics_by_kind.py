@@ -31,6 +31,10 @@ def test_each_kind_gets_its_own_means_and_invalid_samples_are_left_out():
     assert found["by_kind/operations/sign/accuracy"] == 0.0  # the invalid sample's 1.0 is not counted
     assert found["by_kind/toy/total"] == pytest.approx(0.4)
     assert "by_kind/toy/pixelis_coherence" not in found
+    two_turns = scored("zoom/single", 1.0, 1.0)
+    two_turns.turns[1:1] = [Turn("assistant", "<grounding>...</grounding>"), Turn("user", "<image>")]
+    assert metrics_by_kind(batch + [two_turns])["by_kind/zoom/single/turns"] == pytest.approx(4 / 3)
+    assert found["by_kind/toy/turns"] == 1.0
 
 
 def test_one_kind_adds_nothing_and_validation_keeps_only_accuracy_by_kind():

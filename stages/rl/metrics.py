@@ -73,7 +73,8 @@ def question_kind(trajectory: Trajectory) -> str:
 
 def metrics_by_kind(trajectories: list[Trajectory], prefix: str = "by_kind") -> dict[str, float]:
     """`{prefix}/{kind}/{part}`: each reward part's mean over the valid trajectories of each kind of question
-    (and `{prefix}/{kind}/trajectories`); nothing when the step holds a single kind."""
+    (and `{prefix}/{kind}/trajectories`, and `{prefix}/{kind}/turns`, its mean assistant turns: a kind offered no
+    tool answers in one); nothing when the step holds a single kind."""
     kinds: dict[str, list[Trajectory]] = {}
     for t in trajectories:
         kinds.setdefault(question_kind(t), []).append(t)
@@ -82,6 +83,7 @@ def metrics_by_kind(trajectories: list[Trajectory], prefix: str = "by_kind") -> 
     out: dict[str, float] = {}
     for kind, group in sorted(kinds.items()):
         out[f"{prefix}/{kind}/trajectories"] = float(len(group))
+        out[f"{prefix}/{kind}/turns"] = mean(sum(turn.role == "assistant" for turn in t.turns) for t in group)
         for key in KIND_KEYS:
             found = [float(t.rewards[key]) for t in group
                      if t.rewards.get(key) is not None and t.rewards.get("valid", True)]
