@@ -29,7 +29,7 @@ from pydantic import (
     model_validator,
 )
 
-from loupe.tools import PixelBudget
+from loupe.tools import IMAGE_FACTOR, PixelBudget
 
 
 class Section(BaseModel):
@@ -45,7 +45,8 @@ class ModelParams(Section):
     """Hugging Face model directory of the base model. The default is the embedded tiny Qwen2.5-VL, which the
     `data` stage builds; point it at a local Qwen2.5-VL-7B-Instruct copy for real runs."""
     build_tiny: bool = True
-    """Build the embedded tiny model at `path` when it is missing (only for the default; never downloads)."""
+    """Whether the data stage builds the embedded tiny model (at its `--tiny-model` folder, `work/models/tiny`,
+    the default `path`). False for a run on another model: the folder then holds only a note saying so."""
     tiny_seed: int = 0
     """Seed of the tiny model's weights and tokenizer corpus."""
     tiny_text_hidden: int = Field(128, ge=32, multiple_of=32)
@@ -53,6 +54,9 @@ class ModelParams(Section):
     build the 64-wide default of loupe.models.tiny). 128 wide and 4 deep learns the zoom task's cold start; 64 x 2 does not (docs/learning.md)."""
     tiny_text_layers: int = Field(4, ge=1)
     """Depth of the tiny model's language model."""
+    tiny_family: Literal["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5"] = "qwen2_5_vl"
+    """The tiny model's architecture (loupe.models.tiny): Qwen2.5-VL (the committed artefact's), Qwen3-VL,
+    Qwen3-VL-MoE or Qwen3.5 (Gated DeltaNet layers), each with its own processor and crop grid."""
     tiny_perception_steps: int = Field(600, ge=0)
     """Steps of the tiny model's perception pretraining in the data stage (loupe.models.tiny_perception:
     naming the colour of a square in generic pictures, never a task's canvas), so the base model sees as a
@@ -144,6 +148,12 @@ class ProtocolParams(Section):
     video_max_pixels: int | None = Field(None, gt=0)
     """A video task's pixel budget for all its frames together: each frame is resized into
     `min(max_pixels, video_max_pixels / frames)` (not below `min_pixels`); None gives each frame `max_pixels`."""
+    image_factor: int | None = Field(None, ge=1)
+    """The model's image grid in pixels (patch x merge: 28 for Qwen2-VL and Qwen2.5-VL, 32 for Qwen3-VL and
+    Qwen3.5): the sides of every image and crop the model is shown are multiples of it, so its processor never
+    resizes them again. None: the model's own, read from its processor by the engine that runs it (a teacher
+    without a model, the oracle's or an endpoint's, uses 28); set it for a cold start written by such a teacher
+    for a model of another grid. A value the model's processor contradicts stops the run."""
     prompt_template: str | None = None
     """A Jinja file that renders the question turn (a recipe's prompt: R1-V's "Output the thinking process in
     <think> </think> ..." suffix, EasyR1's `format_prompt`); it sees `content` (the question as the protocol
@@ -200,7 +210,8 @@ class ProtocolParams(Section):
     @property
     def budget(self) -> PixelBudget:
         return PixelBudget(self.min_pixels, self.max_pixels, self.min_crop_side, self.crop_min_pixels,
-                           self.crop_max_pixels, self.crop_padding, self.crop_cut, self.crop_resample)
+                           self.crop_max_pixels, self.crop_padding, self.crop_cut, self.crop_resample,
+                           self.image_factor or IMAGE_FACTOR)
 
     def frame_budget(self, frames: int) -> PixelBudget:
         """The pixel budget of each of a video task's `frames` frames (`video_max_pixels` shared among them)."""
@@ -208,7 +219,7 @@ class ProtocolParams(Section):
             return self.budget
         share = max(self.min_pixels, min(self.max_pixels, self.video_max_pixels // max(frames, 1)))
         return PixelBudget(self.min_pixels, share, self.min_crop_side, self.crop_min_pixels, self.crop_max_pixels,
-                           self.crop_padding, self.crop_cut, self.crop_resample)
+                           self.crop_padding, self.crop_cut, self.crop_resample, self.image_factor or IMAGE_FACTOR)
 
 
 class OpenAIEndpointParams(Section):

@@ -8,8 +8,9 @@ verl/workers/rollout/vllm_rollout/vllm_async_engine.py, with `crop_image(..., re
 `prepare_grounding_inputs_multi_turn` in function_tools.py) keeps each observation as the full-resolution crop
 and shows the model a resized copy. Loupe keeps the region instead of the crop and composes the boxes in floats,
 rounding outwards once on the original (Mini-o3 truncates each box to whole pixels with int()). The crop is
-then resized into the pixel budget with the rule Qwen2.5-VL's image processor uses (`smart_resize`: sides
-multiples of 28, area within min/max pixels), so the processor does not resize it again.
+then resized into the pixel budget with the rule the model's image processor uses (`smart_resize`: sides
+multiples of the model's grid, its patch times its merge, 28 px for Qwen2.5-VL and 32 for Qwen3-VL and Qwen3.5;
+area within min/max pixels), so the processor does not resize it again.
 
 A tool never raises on a model's request: `run_tool` returns either a result or a typed `ToolError` that the
 rollout loop sends back as an error observation. Images the user supplied are another matter: a missing,
@@ -38,7 +39,8 @@ from loupe.images import DEFAULT_MAX_DECODE_PIXELS, MAX_ASPECT_RATIO, ImageError
 from loupe.protocol import ORIGINAL_IMAGE, ToolCall
 
 IMAGE_FACTOR = 28
-"""Qwen2.5-VL's patch (14) times its spatial merge (2): image sides are multiples of this."""
+"""Qwen2.5-VL's patch (14) times its spatial merge (2): the grid when no model says otherwise (a teacher without
+a model); an engine's model gives its own (`PixelBudget.factor`, loupe.models.family)."""
 
 
 CROP_CUTS = ("composed", "whole_pixels", "shown")
@@ -69,12 +71,17 @@ class PixelBudget:
     """Whose pixels a crop is cut from and how it is rounded: `composed`, `whole_pixels` or `shown` (`crop`)."""
     crop_resample: str = "bicubic"
     """How a crop is resized into the budget: `bicubic` (straight to Qwen's size) or `mini_o3` (`fit_crop`)."""
+    factor: int = IMAGE_FACTOR
+    """The model's grid (patch x merge): every side an image is shown at is a multiple of it, as its processor
+    would resize it, so the processor never resizes it again."""
 
     def __post_init__(self) -> None:
         if not 0 < self.min_pixels <= self.max_pixels:
             raise ValueError(f"pixel budget needs 0 < min_pixels <= max_pixels, got {self.min_pixels}, {self.max_pixels}")
-        if self.max_pixels < IMAGE_FACTOR * IMAGE_FACTOR:
-            raise ValueError(f"max_pixels must be at least {IMAGE_FACTOR * IMAGE_FACTOR}")
+        if self.factor < 1:
+            raise ValueError(f"the image grid must be a positive number of pixels, got {self.factor}")
+        if self.max_pixels < self.factor * self.factor:
+            raise ValueError(f"max_pixels must be at least {self.factor * self.factor} (one {self.factor}-px grid cell)")
         if self.crop_min_pixels is not None or self.crop_max_pixels is not None:
             self.for_crops()  # the crops' pair must be valid too
         if not (0.0 <= self.crop_padding < 1.0 and math.isfinite(self.crop_padding)):
@@ -89,11 +96,13 @@ class PixelBudget:
         if self.crop_min_pixels is None and self.crop_max_pixels is None:
             return self
         return PixelBudget(self.crop_min_pixels or self.min_pixels, self.crop_max_pixels or self.max_pixels,
-                           self.min_crop_side)
+                           self.min_crop_side, factor=self.factor)
 
 
-def smart_resize(height: int, width: int, budget: PixelBudget, factor: int = IMAGE_FACTOR) -> tuple[int, int]:
-    """Qwen2.5-VL's resize rule: round each side to a multiple of `factor`, then scale into the budget.
+def smart_resize(height: int, width: int, budget: PixelBudget, factor: int | None = None) -> tuple[int, int]:
+    """The Qwen processors' resize rule: round each side to a multiple of `factor` (the budget's grid when None),
+    then scale into the budget (transformers' `models/qwen2_vl/image_processing_qwen2_vl.py`, `smart_resize`,
+    which every Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5 processor calls with its patch x merge).
 
     Sides are rounded to the nearest multiple; if the area then exceeds max_pixels, both sides shrink by the
     same factor and round down; if it falls under min_pixels, they grow and round up. Written here rather than
@@ -102,6 +111,7 @@ def smart_resize(height: int, width: int, budget: PixelBudget, factor: int = IMA
     """
     if height <= 0 or width <= 0:
         raise ValueError(f"image sides must be positive, got {height}x{width}")
+    factor = budget.factor if factor is None else factor
     # A side under factor/2 rounds to 0 here; the area is then under min_pixels and the branch below grows it.
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
@@ -117,7 +127,8 @@ def smart_resize(height: int, width: int, budget: PixelBudget, factor: int = IMA
 
 
 def fit_to_budget(image: Image.Image, budget: PixelBudget) -> Image.Image:
-    """The image as the model is shown it: resized by Qwen's rule (`smart_resize`) into `budget`, bicubic."""
+    """The image as the model is shown it: resized by Qwen's rule (`smart_resize`) into `budget` on its grid,
+    bicubic."""
     height, width = smart_resize(image.height, image.width, budget)
     return image if image.size == (width, height) else image.resize((width, height), Image.Resampling.BICUBIC)
 

@@ -5,8 +5,8 @@
                                                      a recipe's FILE, or any run with overrides (rl.lr=1e-6),
                                                      runs in work/runs/<name>/ (docs/recipes.md)
     loupe remote                                     LOUPE_DVC_REMOTE (s3://...) as the default DVC remote
-    loupe model tiny --out DIR [--perception-steps N]
-                                                     build the embedded tiny Qwen2.5-VL offline as params.yaml's
+    loupe model tiny --out DIR [--family qwen2_5_vl|qwen3_vl|qwen3_vl_moe|qwen3_5] [--perception-steps N]
+                                                     build an embedded tiny model offline as params.yaml's
                                                      model section describes, with its hashes (make tiny-model)
     loupe data tasks --out DIR [--params ...]        write the task set params.yaml's `data` section names
     loupe data import FORMAT --train PATH... [--val PATH... | --val-benchmark NAME PATH | --val-size N]
@@ -45,7 +45,8 @@ def _cmd_model_tiny(args: argparse.Namespace) -> int:
     model = load_section(ModelParams, "model", args.params)
     settings = build_settings(model.tiny_seed if args.seed is None else args.seed, model.tiny_text_hidden,
                               model.tiny_text_layers,
-                              model.tiny_perception_steps if args.perception_steps is None else args.perception_steps)
+                              model.tiny_perception_steps if args.perception_steps is None else args.perception_steps,
+                              args.family or model.tiny_family)
     from pipelines.dvc_runner import PINNED_CPU_KERNELS
 
     for name, value in PINNED_CPU_KERNELS.items():  # the kernels the stages compute with (torch is not loaded yet)
@@ -269,13 +270,17 @@ def build_parser() -> argparse.ArgumentParser:
     remote.set_defaults(func=_cmd_remote)
 
     model = commands.add_parser("model", help="build models").add_subparsers(dest="kind", required=True)
-    tiny = model.add_parser("tiny", help="build the embedded tiny Qwen2.5-VL offline, with its perception "
-                                         "pretraining and a manifest of its files' hashes (loupe.models.tiny_artifact)")
+    tiny = model.add_parser("tiny", help="build an embedded tiny model offline (Qwen2.5-VL by default, or --family), "
+                                         "with its perception pretraining and a manifest of its files' hashes "
+                                         "(loupe.models.tiny_artifact)")
     tiny.add_argument("--out", type=Path, required=True)
     tiny.add_argument("--params", default="params.yaml", help="its settings: the model section's tiny_* keys")
     tiny.add_argument("--seed", type=int, default=None, help="instead of model.tiny_seed")
     tiny.add_argument("--perception-steps", type=int, default=None,
                       help="instead of model.tiny_perception_steps (0: the random model, in seconds)")
+    tiny.add_argument("--family", choices=["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5"], default=None,
+                      help="instead of model.tiny_family: the architecture (Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, "
+                           "Qwen3.5), each with its own processor and crop grid")
     tiny.set_defaults(func=_cmd_model_tiny)
 
     data = commands.add_parser("data", help="build task sets").add_subparsers(dest="kind", required=True)

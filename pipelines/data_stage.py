@@ -3,8 +3,9 @@
 Reads `model` (the tiny model's seed) and `data` (the task family, zoom or synthetic, and its generator's
 knobs: loupe.data.families) from params.yaml and writes:
 
-    <tiny-model>/             the embedded tiny Qwen2.5-VL (Hugging Face directory; `model.path` points at it
-                              by default; a run on a real model still builds it, about a megabyte, in seconds)
+    <tiny-model>/             the embedded tiny model (Hugging Face directory, Qwen2.5-VL or `model.tiny_family`;
+                              `model.path` points at it by default); with `model.build_tiny: false`, a run on
+                              another model, only a note saying no model was built
     <out>/tasks/              {train,val,test}.jsonl task records and their canvases
     <out>/tasks_<family>/     the same for each of `data.extra_families` (a two-stage recipe's second data set)
     <out>/metrics.json        tasks per split, kind and difficulty, each split's chance rate (the accuracy of
@@ -45,8 +46,14 @@ def build_tiny(model_out: Path, model: ModelParams, progress: bool = False) -> t
     from loupe.models.tiny_artifact import build_settings, copy_artifact, read_manifest
     from loupe.models.tiny_perception import pretrain_perception
 
+    if not model.build_tiny:  # a run on another model: no minutes spent pretraining a model nobody reads
+        with atomic_directory(model_out) as tmp:
+            (tmp / "NOT_BUILT.txt").write_text(f"model.build_tiny is false: the pipeline trains model.path = "
+                                                f"{model.path}, and no tiny model was built here.\n")
+        print(f"tiny model: not built (model.build_tiny: false; model.path is {model.path})")
+        return 0, {}
     settings = build_settings(model.tiny_seed, model.tiny_text_hidden, model.tiny_text_layers,
-                              model.tiny_perception_steps)
+                              model.tiny_perception_steps, model.tiny_family)
     artifact = Path(model.tiny_artifact) if model.tiny_artifact else None
     manifest = read_manifest(artifact) if artifact is not None and artifact.is_dir() else None
     if artifact is not None and manifest is None:
@@ -64,7 +71,7 @@ def build_tiny(model_out: Path, model: ModelParams, progress: bool = False) -> t
                   f"{manifest['built_with']['cpu_capability']} kernels; held-out colour accuracy {held_out})")
         else:
             build_tiny_model(tmp, seed=model.tiny_seed, text_hidden=model.tiny_text_hidden,
-                             text_layers=model.tiny_text_layers)
+                             text_layers=model.tiny_text_layers, family=model.tiny_family)
             if model.tiny_perception_steps:
                 report = asdict(pretrain_perception(tmp, steps=model.tiny_perception_steps, seed=model.tiny_seed,
                                                     progress=progress))

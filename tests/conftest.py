@@ -32,3 +32,13 @@ def scene_dir(tmp_path_factory) -> Path:
     image.paste((250, 220, 0), (700, 500, 760, 560))
     image.save(folder / "scene.png")
     return folder
+
+
+@pytest.fixture(scope="session")
+def family_model_dirs(tmp_path_factory) -> dict[str, Path]:
+    """A freshly built tiny model of each family (seed 0, text 64 x 2): Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE and
+    Qwen3.5 (a Gated DeltaNet layer, then a full-attention one)."""
+    from loupe.models.tiny import FAMILIES, build_tiny_model
+
+    root = tmp_path_factory.mktemp("families")
+    return {family: build_tiny_model(root / family, seed=0, family=family) for family in FAMILIES}

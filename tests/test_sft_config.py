@@ -18,7 +18,8 @@ PROTOCOL = ProtocolParams(min_pixels=3136, max_pixels=200704)
 
 def build(params: SftParams, on_gpu: bool = False, tmp: Path = Path("/tmp/x"), deepspeed: Path | None = None) -> dict:
     return lf.train_config(params, PROTOCOL, seed=7, model_path=tmp / "base", dataset_dir=tmp / "data",
-                           output_dir=tmp / "train", on_gpu=on_gpu, deepspeed=deepspeed, report_to="none")
+                           output_dir=tmp / "train", on_gpu=on_gpu, template="qwen2_vl", deepspeed=deepspeed,
+                           report_to="none")
 
 
 def llamafactory_train_fields() -> set[str]:
@@ -45,7 +46,7 @@ def test_full_cpu_config_carries_our_parameters():
 
 def test_device_cpu_hides_a_visible_gpu():
     config = lf.train_config(SftParams(device="cpu"), PROTOCOL, 0, Path("/m"), Path("/d"), Path("/o"),
-                             on_gpu=False, hide_gpu=True)
+                             on_gpu=False, template="qwen2_vl", hide_gpu=True)
     assert config["use_cpu"] is True and config["bf16"] is False
     assert "use_cpu" not in build(SftParams())
 
@@ -139,7 +140,7 @@ def test_the_gpu_preset_generates_a_zero3_bf16_config(tmp_path):
     protocol = load_section(ProtocolParams, "protocol", preset)
     deepspeed = lf.copy_deepspeed(lf.resolve_deepspeed(params.gpu.deepspeed), tmp_path)
     config = lf.train_config(params, protocol, 0, tmp_path / "qwen", tmp_path / "data", tmp_path / "train",
-                             on_gpu=params.device == "gpu", deepspeed=deepspeed)
+                             on_gpu=params.device == "gpu", template="qwen2_vl", deepspeed=deepspeed)
     assert config["bf16"] is True and config["flash_attn"] == "fa2"
     assert json.loads(Path(config["deepspeed"]).read_text())["zero_optimization"]["stage"] == 3
     assert config["image_max_pixels"] == protocol.max_pixels and config["learning_rate"] == params.learning_rate

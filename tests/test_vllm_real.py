@@ -193,6 +193,53 @@ def test_lora_rl_on_vllm_without_ray_syncs_merged_weights_and_its_model_serves_o
     assert metrics["benchmarks"]["synthetic"]["questions"] == 2
 
 
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_vl_moe", "qwen3_5"])
+def test_each_family_trains_with_a_sync_every_step_and_evaluates_on_vllm(vllm_python, family, family_model_dirs,
+                                                                         tmp_path):
+    """Qwen3-VL, Qwen3-VL-MoE and Qwen3.5 on vLLM's CPU build: the rl stage (Ray off: vLLM's model still lives in its
+    worker processes, so every update's weights travel over gloo, named as the module names them and put in the
+    family's published layout on the way, Qwen3-VL-MoE's experts transposed and packed again for the CPU kernel);
+    the log-prob gap of the step after a sync shows the engine generated with the learner's weights. Then the eval
+    stage serves the trained `model/` from disk. Qwen3.5 runs in bfloat16 (vLLM's CPU Gated DeltaNet kernel
+    computes in nothing else) against the float32 learner, within the same bound."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from rl_helpers import make_toy_tasks, write_params
+
+    from loupe.data.synthetic import SyntheticConfig, generate_tasks
+
+    model = str(family_model_dirs[family])
+    dtype = "bfloat16" if family == "qwen3_5" else "float32"
+    tasks = make_toy_tasks(tmp_path / "toy", side=64)
+    params = write_params(
+        tmp_path / "params.yaml",
+        {"steps": 2, "prompts_per_step": 2, "samples_per_prompt": 4, "checkpoint_every": 2, "lr": 0.01},
+        protocol={"name": "mini_o3", "max_turns": 2, "max_context_tokens": 2048},
+        rollout={"engine": "vllm", "vllm_dtype": dtype, "max_new_tokens": 16},
+    )
+    out = tmp_path / "out"
+    run_stage(vllm_python, "rl", "--params", str(params), "--model", model, "--tasks", str(tasks), "--out", str(out))
+    train = [row for row in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if row["kind"] == "train"]
+    assert [row["step"] for row in train] == [1, 2]
+    for row in train:
+        assert row["rollout/logprob_gap_mean"] < GAP_MEAN_BOUND and row["rollout/logprob_gap_p99"] < GAP_P99_BOUND, row
+    assert train[1]["time/sync"] > 0
+    from loupe.models.family import read_family
+
+    assert read_family(out / "model").name == family
+    generate_tasks(tmp_path / "tasks", SyntheticConfig(seed=3, train=0, val=0, test=2, canvas_side=(1024, 1100)))
+    eval_params = {
+        "seed": 5, "protocol": {"max_turns": 2, "max_context_tokens": 4096},
+        "rollout": {"engine": "vllm", "max_new_tokens": 16, "temperature": 0.0, "vllm_dtype": dtype},
+        "eval": {"benchmarks": [{"name": "synthetic", "path": str(tmp_path / "tasks")}], "samples": 1, "max_turns": 2},
+    }
+    (tmp_path / "eval.yaml").write_text(yaml.safe_dump(eval_params))
+    run_stage(vllm_python, "eval", "--params", str(tmp_path / "eval.yaml"), "--model", str(out / "model"),
+              "--out", str(tmp_path / "eval"), "--no-progress")
+    assert json.loads((tmp_path / "eval" / "model" / "metrics.json").read_text())["benchmarks"]["synthetic"]["questions"] == 2
+    shown = [json.loads(line) for line in (tmp_path / "eval" / "model" / "results.jsonl").read_text().splitlines()]
+    assert len(shown) == 2
+
+
 def test_eval_stage_on_vllm_matches_the_transformers_engine_greedily(vllm_python, model_dir, tmp_path):
     from loupe.data.synthetic import SyntheticConfig, generate_tasks
     from stages.eval.__main__ import main as eval_main

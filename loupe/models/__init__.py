@@ -1,8 +1,10 @@
-"""Models: the embedded tiny Qwen2.5-VL, and loading any Hugging Face VLM directory the same way.
+"""Models: the embedded tiny models, and loading any Hugging Face VLM directory the same way.
 
-`build_tiny_model(dir, seed)` writes the tiny model (see `loupe.models.tiny`);
-`load_model_and_processor(dir)` loads it, or a real Qwen2.5-VL-7B, or a stage's output, through
-`AutoProcessor` and `AutoModelForImageTextToText`, so every stage loads models one way.
+`build_tiny_model(dir, seed, family=...)` writes a tiny model (see `loupe.models.tiny`);
+`load_model_and_processor(dir)` loads it, or a real Qwen2.5-VL-7B, Qwen3-VL-8B or Qwen3.5-9B, or a stage's
+output, through `AutoProcessor` and `AutoModelForImageTextToText`, so every stage loads models one way; the
+model's family (its crop grid, templates, cache kinds, module names) is read from its files by
+`loupe.models.family.read_family`, which stops a model Loupe cannot run with a message naming what is missing.
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ __all__ = ["build_tiny_model", "load_model", "load_model_and_processor", "load_p
 
 
 def _check_model_dir(path: str | Path) -> Path:
+    """`path`, once its files say Loupe can run the model (`read_family`: a clear error otherwise, never a
+    traceback from inside transformers)."""
+    from loupe.models.family import read_family
+
     path = Path(path)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path}: not a Hugging Face model directory (no config.json)")
+    read_family(path)
     return path
 
 

@@ -47,9 +47,14 @@ def sha256(path: Path) -> str:
     return file_digest(path)
 
 
-def build_settings(seed: int, text_hidden: int, text_layers: int, perception_steps: int) -> dict[str, int]:
-    """What an artefact was built with (and what the `model` section asks for): the manifest's `build`."""
-    return {"seed": seed, "text_hidden": text_hidden, "text_layers": text_layers, "perception_steps": perception_steps}
+def build_settings(seed: int, text_hidden: int, text_layers: int, perception_steps: int,
+                   family: str = "qwen2_5_vl") -> dict[str, Any]:
+    """What an artefact was built with (and what the `model` section asks for): the manifest's `build`. The
+    family is named only when it is not the default Qwen2.5-VL, so manifests written before families keep
+    matching."""
+    settings: dict[str, Any] = {"seed": seed, "text_hidden": text_hidden, "text_layers": text_layers,
+                                "perception_steps": perception_steps}
+    return settings if family == "qwen2_5_vl" else {**settings, "family": family}
 
 
 def build_artifact(out_dir: str | Path, settings: dict[str, int], command: str = "", progress: bool = False) -> dict:
@@ -64,7 +69,7 @@ def build_artifact(out_dir: str | Path, settings: dict[str, int], command: str =
     out_dir = Path(out_dir)
     with atomic_directory(out_dir) as tmp:
         build_tiny_model(tmp, seed=settings["seed"], text_hidden=settings["text_hidden"],
-                         text_layers=settings["text_layers"])
+                         text_layers=settings["text_layers"], family=settings.get("family", "qwen2_5_vl"))
         report = {}
         if settings["perception_steps"]:
             report = asdict(pretrain_perception(tmp, steps=settings["perception_steps"], seed=settings["seed"],

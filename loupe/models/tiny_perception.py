@@ -43,9 +43,9 @@ class PerceptionReport:
     """Share of held-out pictures whose colour word the model ranks first among the ten."""
 
 
-def perception_picture(rng: np.random.Generator) -> tuple[Image.Image, str]:
-    """One picture (56-112 px a side) and the colour of its square."""
-    width, height = (int(v) for v in rng.integers(2, 5, size=2) * 28)
+def perception_picture(rng: np.random.Generator, grid: int = 28) -> tuple[Image.Image, str]:
+    """One picture (2-4 grid cells a side: 56-112 px on Qwen2.5-VL's 28-px grid) and the colour of its square."""
+    width, height = (int(v) for v in rng.integers(2, 5, size=2) * grid)
     image = textured_background(rng, width, height)
     draw = ImageDraw.Draw(image)
     colour = COLOURS[int(rng.integers(len(COLOURS)))]
@@ -134,14 +134,17 @@ def pretrain_perception(model_dir: str | Path, steps: int = 300, seed: int = 0, 
     """
     import torch
     from tqdm import tqdm
-    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from loupe.models.family import processor_grid
 
     model_dir = Path(model_dir)
     processor = AutoProcessor.from_pretrained(model_dir)
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    grid = processor_grid(processor) or 28  # pictures on the model's own grid, as every image it is shown
     rng = np.random.default_rng([seed, 7_001])
     test_rng = np.random.default_rng([seed, 7_002])
-    tests = [perception_picture(test_rng) for _ in range(held_out)]
+    tests = [perception_picture(test_rng, grid) for _ in range(held_out)]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         random.seed(seed)
@@ -152,7 +155,7 @@ def pretrain_perception(model_dir: str | Path, steps: int = 300, seed: int = 0, 
         first_ids = torch.tensor([processor.tokenizer.encode(f" {c}", add_special_tokens=False)[0] for c in COLOURS])
         lead = len(processor.tokenizer.encode("It is", add_special_tokens=False))
         for _ in tqdm(range(steps), desc="tiny model: perception", unit="step", disable=not progress):
-            pictures = [perception_picture(rng) for _ in range(batch_size)]
+            pictures = [perception_picture(rng, grid) for _ in range(batch_size)]
             encoded, prompt_lengths = _batch(processor, pictures)
             output = model(**encoded)
             # The colour word's score among the ten colour words: the whole gradient goes to seeing. The LM loss
@@ -168,6 +171,9 @@ def pretrain_perception(model_dir: str | Path, steps: int = 300, seed: int = 0, 
         model.eval()
         accuracy = _accuracy(model, processor, tests)
     model.save_pretrained(model_dir)
+    from loupe.models.family import write_published_layout
+
+    write_published_layout(model_dir)
     return PerceptionReport(steps=steps, first_loss=losses[0] if losses else float("nan"),
                             final_loss=float(np.mean(losses[-20:])) if losses else float("nan"),
                             held_out_accuracy=accuracy)

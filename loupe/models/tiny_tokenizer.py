@@ -33,11 +33,12 @@ DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 
 # Whitespace control (`{%-`, `-%}`) strips every newline between tags, so the only newlines rendered are
 # the explicit '\n' strings: the output is exactly the layout above, whatever the template's indentation.
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}\n"
+_DEFAULT_SYSTEM_TURN = (
     "    {%- if loop.first and message['role'] != 'system' -%}\n"
     "        {{- '<|im_start|>system\\n" + DEFAULT_SYSTEM_PROMPT + "<|im_end|>\\n' -}}\n"
     "    {%- endif -%}\n"
+)
+CHAT_TEMPLATE_BODY = (
     "    {{- '<|im_start|>' + message['role'] + '\\n' -}}\n"
     "    {%- if message['content'] is string -%}\n"
     "        {{- message['content'] -}}\n"
@@ -58,6 +59,17 @@ CHAT_TEMPLATE = (
     "    {{- '<|im_start|>assistant\\n' -}}\n"
     "{%- endif -%}\n"
 )
+
+
+def chat_template(default_system: bool = True) -> str:
+    """The template, with Qwen2.5-VL's default system turn when a dialogue opens without one (`default_system`)
+    or without it, as Qwen3-VL's and Qwen3.5's templates."""
+    loop = "{%- for message in messages -%}\n"
+    return loop + (_DEFAULT_SYSTEM_TURN if default_system else "") + CHAT_TEMPLATE_BODY
+
+
+CHAT_TEMPLATE = chat_template(True)
+"""Qwen2.5-VL's layout: the tiny Qwen2.5-VL's template (and the tokenizer's own)."""
 
 # Qwen2.5-VL's special tokens in Qwen's order; they get ids right after the learned BPE vocabulary.
 PAD_TOKEN = "<|endoftext|>"

@@ -85,6 +85,9 @@ class Engine(ABC):
     """Sampling temperature of a dialogue's first assistant turn (of every turn unless `later_temperature`)."""
     later_temperature: float | None = None
     """Sampling temperature of every assistant turn after the first (`rollout.later_turn_temperature`), or None."""
+    image_factor: int | None = None
+    """The model's image grid (patch x merge) when the engine knows its model's processor, else None: the rollout
+    loop shows every image on it (`loupe.config.ProtocolParams.image_factor`)."""
 
     def temperature_for(self, first_turn: bool) -> float:
         """The temperature a turn samples at: `later_temperature` for a dialogue's later turns, when set."""

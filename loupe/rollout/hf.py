@@ -24,8 +24,9 @@ from transformers import DynamicCache
 
 from loupe.protocol import IMAGE_PLACEHOLDER, split_on_images
 from loupe.rollout.engine import Engine, Generation, TokenTrace
-from loupe.rollout.kv_batch import (SPARE_COLUMNS, Batch, BufferedLayer, DialogueCache, Positions, Row, cache_layers, grouped_attention,
-                                    keep_rows, make_cache, merge, right_aligned, row_layers, sample)
+from loupe.rollout.kv_batch import (SPARE_COLUMNS, Batch, BufferedLayer, DialogueCache, Positions, Row, buffered, cache_layers,
+                                    grouped_attention, keep_rows, linear_layer, merge, right_aligned, row_layers, sample)
+from loupe.rollout.linear_attention import continuing
 
 _MARK = "\x00LOUPE\x00"
 _STOP_WINDOW = 16
@@ -108,6 +109,9 @@ class TokenContextEngine(Engine):
         """Top-k sampling (RolloutParams.top_k); set after construction by `make_engine`."""
         self.batch_size = batch_size
         self.markup = learn_turn_markup(processor)
+        from loupe.models.family import processor_grid
+
+        self.image_factor = processor_grid(processor)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         end_ids = {self.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
         end_ids.add(self.tokenizer.eos_token_id)
@@ -280,6 +284,10 @@ class TransformersEngine(TokenContextEngine):
         # forward pass here is given them explicitly (kv_batch.Positions).
         self.image_token_id = getattr(model.config, "image_token_id", None)
         self.positions = Positions(model, self.image_token_id)
+        from loupe.models.family import LINEAR_ATTENTION, layer_kinds
+
+        self.linear = [kind == LINEAR_ATTENTION for kind in layer_kinds(model.config)]
+        """Per text layer, whether it keeps a linear-attention state (Qwen3.5) rather than keys and values."""
         self.generator = torch.Generator(self.device).manual_seed(seed)
         self._running: Batch | None = None
         self._stop_tokens: dict[int, bool] = {}
@@ -318,7 +326,7 @@ class TransformersEngine(TokenContextEngine):
             "input_ids": torch.tensor([ids], device=self.device),
             "attention_mask": torch.ones((1, len(ids)), dtype=torch.long, device=self.device),
             "position_ids": self.positions.batch([positions]).to(self.device),
-            "past_key_values": DynamicCache(),
+            "past_key_values": self._empty_cache(),
         }
         if state.pixel_values:
             inputs["pixel_values"] = torch.cat(state.pixel_values).to(self.device, self.model.dtype)
@@ -328,6 +336,10 @@ class TransformersEngine(TokenContextEngine):
             output = self.model(**inputs, use_cache=True, logits_to_keep=1)
         layers = [(keys[0], values[0]) for keys, values in cache_layers(output.past_key_values)]
         return DialogueCache(layers, len(ids), next_position, len(state.pixel_values))
+
+    def _empty_cache(self) -> DynamicCache:
+        """A cache for a first prefill: transformers' own layers of each kind for a hybrid model."""
+        return DynamicCache(config=self.model.config) if any(self.linear) else DynamicCache()
 
     def init_weight_sync(self, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float) -> None:
         from loupe.rollout.weight_sync import SyncGroup
@@ -429,7 +441,7 @@ class TransformersEngine(TokenContextEngine):
             rows = [Row(start + i, state, self.turn_budget(state, max_new_tokens))
                     for i, state in enumerate(states[start : start + self.batch_size])]
             batch = self._prefill(rows)
-            batch.cache = make_cache(cache_layers(batch.cache))
+            batch.cache = buffered(batch.cache)
             while True:
                 for index, row in enumerate(batch.rows):
                     if row.finish and row.ticket not in out:
@@ -470,7 +482,7 @@ class TransformersEngine(TokenContextEngine):
         if pixels:
             inputs["pixel_values"] = torch.cat(pixels).to(self.device, self.model.dtype)
             inputs["image_grid_thw"] = torch.cat(grids).to(self.device)
-        with grouped_attention(self.model):
+        with grouped_attention(self.model), continuing(self.model, mask[:, past:]):
             output = self.model(**inputs, use_cache=True, logits_to_keep=1)
         batch = Batch(rows, output.past_key_values, mask.to(self.device))
         self._take_sample(batch, output.logits[:, -1])
@@ -480,10 +492,14 @@ class TransformersEngine(TokenContextEngine):
         """The rows' cached keys and values, left-padded to `length`, as one cache with `room` columns to grow
         (empty at a first turn)."""
         if length == 0:
-            return DynamicCache()
+            return self._empty_cache()
         template = next(row.state.cache.layers for row in rows if row.state.cache.layers)
         cache = DynamicCache()
         for index, (keys, values) in enumerate(template):
+            if self.linear[index]:  # every row continues its own state: nothing to align
+                cache.layers.append(linear_layer(torch.stack([row.state.cache.layers[index][0] for row in rows]),
+                                                 torch.stack([row.state.cache.layers[index][1] for row in rows])))
+                continue
             empty = keys.new_zeros((1, keys.shape[0], 0, keys.shape[2]))
             per_row = [tuple(t.unsqueeze(0) for t in row.state.cache.layers[index]) if row.state.cache.layers
                        else (empty, empty) for row in rows]

@@ -15,6 +15,9 @@ with no images and no 3D (mrope) positions. What this module needs from the mode
 
 Layout: one `DynamicCache` for the batch, rows left-padded to a common length; the attention mask marks every
 position a row never wrote (left padding, or the padding inside a prefilled segment) so it is never attended.
+A linear-attention layer (Qwen3.5's Gated DeltaNet) keeps a fixed-size state a row instead of keys and values,
+stacked along the batch dimension with nothing to pad (linear_attention.py), so a hybrid model's rows join,
+leave and keep their state between turns the same way.
 Positions are given explicitly per row: for Qwen2-VL-family models the segment's 3D positions come from the
 model's own `get_rope_index` (transformers' `modeling_qwen2_5_vl.py`, `Qwen2_5_VLModel.get_rope_index`), run on
 the new segment alone and shifted by the dialogue's next position, which is what the full sequence gives
@@ -32,7 +35,7 @@ from typing import Any
 
 import torch
 from transformers import AttentionInterface, DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin, LinearAttentionLayer
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 
@@ -41,7 +44,8 @@ class DialogueCache:
     """A dialogue's keys and values between turns, and where its uncached tail starts."""
 
     layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-    """Per layer (keys, values), each (kv_heads, cached, head_dim): no padding, no holes."""
+    """Per layer (keys, values), each (kv_heads, cached, head_dim): no padding, no holes; a linear-attention
+    layer's (convolution inputs (channels, kernel), recurrent state (heads, key dim, value dim)) instead."""
     cached: int = 0
     """Tokens of the dialogue's ids the layers hold; the rest is prefilled at its next turn."""
     next_position: int = 0
@@ -72,7 +76,7 @@ class Batch:
     rows: list[Row]
     cache: DynamicCache
     mask: torch.Tensor
-    """(rows, length) bool: True where the row wrote a key."""
+    """(rows, length) bool: True where the row wrote a key (its attention layers' columns)."""
 
 
 class BufferedLayer(DynamicLayer):
@@ -123,13 +127,33 @@ SPARE_COLUMNS = 64
 """Columns a batch's cache buffers hold beyond its current length when they are (re)built."""
 
 
+def is_linear(layer: Any) -> bool:
+    """Whether a cache layer keeps a linear-attention state rather than keys and values."""
+    return isinstance(layer, LinearAttentionCacheLayerMixin)
+
+
+def linear_layer(conv: torch.Tensor, recurrent: torch.Tensor) -> LinearAttentionLayer:
+    """transformers' linear-attention cache layer holding these states (rows first) as a continued dialogue's:
+    its next one-token step reads them (`has_previous_state`)."""
+    layer = LinearAttentionLayer()
+    layer.dtype, layer.device = conv.dtype, conv.device
+    layer.max_batch_size, layer.conv_kernel_size = conv.shape[0], conv.shape[-1]
+    layer.conv_states, layer.recurrent_states = conv, recurrent
+    layer.is_conv_states_initialized = layer.is_recurrent_states_initialized = layer.has_previous_state = True
+    return layer
+
+
 def cache_layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(layer.keys, layer.values) for layer in cache.layers]
+    """Each layer's (keys, values), or a linear-attention layer's (convolution inputs, recurrent state)."""
+    return [(layer.conv_states, layer.recurrent_states) if is_linear(layer) else (layer.keys, layer.values)
+            for layer in cache.layers]
 
 
-def make_cache(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+def make_cache(layers: list[tuple[torch.Tensor, torch.Tensor]], linear: list[bool]) -> DynamicCache:
+    """A cache of these per-layer tensors (rows first); `linear` says which layers are linear-attention states."""
     cache = DynamicCache()
-    cache.layers = [BufferedLayer(keys, values) for keys, values in layers]
+    cache.layers = [linear_layer(a, b) if is_state else BufferedLayer(a, b)
+                    for (a, b), is_state in zip(layers, linear, strict=True)]
     return cache
 
 
@@ -158,10 +182,11 @@ def right_aligned(parts: list[torch.Tensor], length: int, room: int) -> torch.Te
 
 
 def buffered(cache: DynamicCache) -> DynamicCache:
-    """The cache with every layer a `BufferedLayer`: as it is where it already is, copied where not."""
-    if all(isinstance(layer, BufferedLayer) for layer in cache.layers):
+    """The cache with every attention layer a `BufferedLayer`: as it is where it already is, copied where not
+    (linear-attention layers as they are)."""
+    if all(isinstance(layer, BufferedLayer) or is_linear(layer) for layer in cache.layers):
         return cache
-    return make_cache(cache_layers(cache))
+    return make_cache(cache_layers(cache), [is_linear(layer) for layer in cache.layers])
 
 
 def merge(first: Batch | None, second: Batch) -> Batch:
@@ -170,8 +195,10 @@ def merge(first: Batch | None, second: Batch) -> Batch:
         return Batch(second.rows, buffered(second.cache), second.mask)
     length = max(first.mask.shape[1], second.mask.shape[1])
     cache = DynamicCache()
-    cache.layers = [BufferedLayer(right_aligned([a.keys, b.keys], length, SPARE_COLUMNS),
-                                  right_aligned([a.values, b.values], length, SPARE_COLUMNS), length)
+    cache.layers = [linear_layer(torch.cat([a.conv_states, b.conv_states]),
+                                 torch.cat([a.recurrent_states, b.recurrent_states])) if is_linear(a)
+                    else BufferedLayer(right_aligned([a.keys, b.keys], length, SPARE_COLUMNS),
+                                       right_aligned([a.values, b.values], length, SPARE_COLUMNS), length)
                     for a, b in zip(first.cache.layers, second.cache.layers)]
     mask = torch.cat([left_pad(first.mask, length, 1), left_pad(second.mask, length, 1)])
     return Batch(first.rows + second.rows, cache, mask)
@@ -186,21 +213,26 @@ def keep_rows(batch: Batch, keep: list[int]) -> Batch | None:
     used = mask.any(0).nonzero()
     start = int(used[0]) if len(used) else mask.shape[1]
     cache = DynamicCache()
-    if all(isinstance(layer, BufferedLayer) for layer in batch.cache.layers):
-        # One copy: the kept rows' buffers, spare columns included, from the first column still used.
-        cache.layers = [BufferedLayer(layer._keys[:, :, start:].index_select(0, index),
-                                      layer._values[:, :, start:].index_select(0, index), layer.length - start)
-                        for layer in batch.cache.layers]
-    else:
-        cache = make_cache([(k.index_select(0, index)[:, :, start:], v.index_select(0, index)[:, :, start:])
-                            for k, v in cache_layers(batch.cache)])
+    for layer in batch.cache.layers:
+        if is_linear(layer):
+            cache.layers.append(linear_layer(layer.conv_states.index_select(0, index),
+                                             layer.recurrent_states.index_select(0, index)))
+        elif isinstance(layer, BufferedLayer):
+            # One copy: the kept rows' buffers, spare columns included, from the first column still used.
+            cache.layers.append(BufferedLayer(layer._keys[:, :, start:].index_select(0, index),
+                                              layer._values[:, :, start:].index_select(0, index), layer.length - start))
+        else:
+            cache.layers.append(BufferedLayer(layer.keys.index_select(0, index)[:, :, start:],
+                                              layer.values.index_select(0, index)[:, :, start:]))
     return Batch([batch.rows[i] for i in keep], cache, mask[:, start:])
 
 
 def row_layers(batch: Batch, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Row `row`'s keys and values with its padding removed (what its dialogue keeps to the next turn)."""
+    """Row `row`'s keys and values with its padding removed, or its linear-attention states (copied: the
+    batch's own are updated in place by its next steps), what its dialogue keeps to the next turn."""
     where = batch.mask[row]
-    return [(k[row][:, where], v[row][:, where]) for k, v in cache_layers(batch.cache)]
+    return [(layer.conv_states[row].clone(), layer.recurrent_states[row].clone()) if is_linear(layer)
+            else (layer.keys[row][:, where], layer.values[row][:, where]) for layer in batch.cache.layers]
 
 
 class Positions:

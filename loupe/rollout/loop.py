@@ -46,6 +46,19 @@ class RolloutStats:
     seconds: float = 0.0
 
 
+def on_model_grid(protocol_params: ProtocolParams, engine: Engine) -> ProtocolParams:
+    """The protocol's settings with the image grid of the engine's model (`ProtocolParams.image_factor`): every
+    image and crop is then shown at sides the model's processor keeps as they are. A grid the params give that
+    the model's processor contradicts is refused, naming both."""
+    grid = getattr(engine, "image_factor", None)
+    if grid is None or protocol_params.image_factor == grid:
+        return protocol_params
+    if protocol_params.image_factor is not None:
+        raise ValueError(f"protocol.image_factor is {protocol_params.image_factor}, but the model's processor resizes "
+                         f"images on a {grid}-px grid (patch x merge); set it to {grid} or leave it null")
+    return protocol_params.model_copy(update={"image_factor": grid})
+
+
 class Rollout:
     """One run of the loop's bookkeeping: the trajectories started, the ones still live, the ones ended.
 
@@ -56,7 +69,8 @@ class Rollout:
     def __init__(self, tasks: list[TaskRecord], engine: Engine, protocol_params: ProtocolParams, image_root: str | Path,
                  samples_per_task: int, max_turns: int | None, max_new_tokens: int, progress: bool | str,
                  stats: RolloutStats | None, on_finish: Callable[[Trajectory], None] | None):
-        self.tasks, self.engine, self.protocol_params = tasks, engine, protocol_params
+        self.tasks, self.engine = tasks, engine
+        self.protocol_params = protocol_params = on_model_grid(protocol_params, engine)
         self.protocol: Protocol = make_protocol(protocol_params)
         self.turn_limit = max_turns if max_turns is not None else protocol_params.max_turns
         if not self.protocol.multi_turn:

@@ -43,16 +43,26 @@ class VLLMEngine(TokenContextEngine):
         enable_sleep_mode: bool = False,
     ):
         from vllm import LLM
+        from vllm.platforms import current_platform
+
+        from loupe.models.family import read_family
 
         super().__init__(processor, stop, temperature, top_p, batch_size=1 << 30)
         self.seed = seed
+        hybrid_on_cpu = read_family(model_path).hybrid and current_platform.is_cpu()
+        if hybrid_on_cpu and dtype != "bfloat16":
+            raise ValueError(f"{model_path}: vLLM's CPU kernel of Gated DeltaNet layers (Qwen3.5) computes in bfloat16 "
+                             f"only (its ops/cpu/gdn_attention.py asserts it); set rollout.vllm_dtype: bfloat16, not {dtype}")
         self.llm = LLM(
             model=model_path,
             seed=seed,
             dtype=dtype,
             max_model_len=max_context_tokens,
             limit_mm_per_prompt={"image": max_images},
-            enable_prefix_caching=True,
+            # A hybrid model's cached prefixes end on vLLM's block boundaries, so a prompt's prefill may be split and
+            # its sampled token discarded, which rewinds the request's seeded generator: vLLM 0.32's CPU generators
+            # cannot rewind ("CPU Generator does not use offset"). On a CPU such a model runs without prefix caching.
+            enable_prefix_caching=not hybrid_on_cpu,
             gpu_memory_utilization=gpu_memory_utilization,
             worker_extension_cls=WORKER_EXTENSION,
             # Colocated with the learner on one GPU: the engine gives its memory back during each update.

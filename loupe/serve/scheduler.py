@@ -111,11 +111,11 @@ class Scheduler:
     def __init__(self, engine: Engine, protocol: ProtocolParams, max_turns: int, max_new_tokens: int,
                  max_running: int, max_queued: int):
         self.engine = engine
-        self.protocol = protocol
         self.max_new_tokens = max_new_tokens
         self.max_running = max_running
         self.max_queued = max_queued
         self.rollout = Rollout([], engine, protocol, ".", 1, max_turns, max_new_tokens, False, None, None)
+        self.protocol = self.rollout.protocol_params  # on the model's image grid (loop.on_model_grid)
         self._inbox: deque[Job] = deque()
         self._running: set[Job] = set()
         self._waiting: dict[int, tuple[Job, _Live | None]] = {}

@@ -7,13 +7,13 @@ it does not support, sampling at temperature 0) and names the params file and fi
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from loupe.config import ProtocolParams, RolloutParams, load_section, load_seed
 from loupe.data.tasks import TaskRecord, read_tasks
+from loupe.models.family import read_family
 from stages.rl.cluster import absolute_params, absolute_path
 from stages.rl.params import RLParams
 from stages.rl.ttrl import unlabeled
@@ -104,9 +104,5 @@ def read_inputs(params_path: Path, model_path: Path, tasks_dir: Path, section: s
         if not val:
             raise ValueError(f"{val_file}: holds no task records; set rl.val_every: 0 to train without validation")
         val = val[: params.val_prompts] if params.val_prompts else val
-    config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
-    markers = frozenset(
-        config[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-        if isinstance(config.get(k), int)
-    )
+    markers = frozenset(read_family(model_path).marker_ids.values())  # stops here for a model Loupe cannot run
     return Inputs(seed, params, protocol, rollout, Path(model_path), Path(tasks_dir), train, val, markers, withheld)

@@ -33,6 +33,7 @@ import torch
 
 from loupe.io import atomic_directory, make_readable
 from loupe.models import load_model, load_processor, resolve_device
+from loupe.models.family import write_published_layout
 from loupe.rollout.weight_sync import SyncGroup, device_identity, free_address, send_weights
 from stages.rl.batching import TrainSequence, split_evenly, token_logprobs
 from stages.rl.loss import LossConfig, loss_normaliser, policy_loss
@@ -603,6 +604,7 @@ class Learner:
             finally:
                 self.model.config.use_cache = False
             load_processor(model_path).save_pretrained(tmp)
+            write_published_layout(tmp)  # Qwen3-VL-MoE's experts as its checkpoints store them (vLLM reads those)
             if self.lora is not None:  # the adapters apart too, for peft or vLLM's LoRA serving
                 self.lora.save_pretrained(tmp / "adapter")
             make_readable(tmp)

@@ -77,6 +77,9 @@ def run_sft(params_path: Path, model_path: Path, dataset_dir: Path, out_dir: Pat
     on_gpu = _on_gpu(params.device)
     deepspeed = llamafactory_config.resolve_deepspeed(params.gpu.deepspeed) if on_gpu else None
     notes = _check_gpu_stack(params, on_gpu, deepspeed)
+    from loupe.models.family import llamafactory_template, read_family
+
+    template = llamafactory_template(read_family(model_path), params.template)
     preflight = checks.preflight(
         model_path, dataset_dir, params.dataset, params.cutoff_len, protocol.min_pixels, protocol.max_pixels
     )
@@ -98,7 +101,7 @@ def run_sft(params_path: Path, model_path: Path, dataset_dir: Path, out_dir: Pat
             )
             print(f"sft: {scaled} images over the pixel budget are pre-scaled in {training_data}")
         config = llamafactory_config.train_config(
-            params, protocol, seed, model_path, training_data, train_dir, on_gpu,
+            params, protocol, seed, model_path, training_data, train_dir, on_gpu, template=template,
             deepspeed=llamafactory_config.copy_deepspeed(deepspeed, lf_dir),
             report_to="mlflow" if run.run_id else "none",
             hide_gpu=params.device == "cpu",
@@ -125,7 +128,7 @@ def run_sft(params_path: Path, model_path: Path, dataset_dir: Path, out_dir: Pat
             watch = None if verbose else runner.TrainerProgress(train_dir / "trainer_log.jsonl", disable=not progress)
             runner.launch(command, env, log, progress=watch)
 
-        export.build_model_dir(params.finetuning_type, model_path, train_dir, out_dir / "model", lf_dir, env)
+        export.build_model_dir(params.finetuning_type, model_path, train_dir, out_dir / "model", lf_dir, env, template)
 
         points, final = report.read_log_history(train_dir)
         report.write_loss_plots(points, out_dir / "plots")

@@ -19,6 +19,7 @@ import shutil
 from pathlib import Path
 
 from loupe.io import atomic_directory, atomic_write_json, make_readable
+from loupe.models.family import write_published_layout
 from stages.sft import llamafactory_config, runner
 
 TRAINING_RECORDS = {
@@ -77,7 +78,7 @@ def check_model_dir(model_dir: Path) -> None:
 
 
 def build_model_dir(finetuning_type: str, base_model: Path, train_dir: Path, model_dir: Path, lf_dir: Path,
-                    env: dict[str, str]) -> None:
+                    env: dict[str, str], template: str) -> None:
     """Write the stage's model directory in one atomic swap: copied (full) or merged (LoRA), then fixed up."""
     with atomic_directory(model_dir) as tmp:
         if finetuning_type == "lora":
@@ -86,13 +87,14 @@ def build_model_dir(finetuning_type: str, base_model: Path, train_dir: Path, mod
             # stage itself exports into the temporary folder that is swapped into place afterwards.
             llamafactory_config.write_yaml(
                 export_yaml,
-                llamafactory_config.export_config(base_model, train_dir, Path(model_dir).resolve()),
+                llamafactory_config.export_config(base_model, train_dir, Path(model_dir).resolve(), template),
                 f"llamafactory-cli export {export_yaml.resolve()}",
             )
             command = runner.llamafactory_command("export", export_yaml, {"export_dir": tmp.resolve()})
             runner.launch(command, env, lf_dir / "export.log")
         else:
             copy_model_files(train_dir, tmp)
+        write_published_layout(tmp)  # transformers writes Qwen3-VL-MoE's experts transposed; vLLM reads the published
         restore_use_cache(tmp)
         make_readable(tmp)
         check_model_dir(tmp)

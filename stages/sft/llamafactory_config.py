@@ -5,7 +5,8 @@ The YAML is the whole interface to LLaMA-Factory: the stage writes it beside the
 are absolute, so it runs from any folder.
 
 What goes in:
-- the base model, the dataset (name, folder), template `qwen2_vl`, the protocol's pixel budget as
+- the base model, the dataset (name, folder), the model family's template (`qwen2_vl`, `qwen3_vl_nothink`,
+  `qwen3_5_nothink`, ...: loupe.models.family, or `sft.template`), the protocol's pixel budget as
   `image_min_pixels`/`image_max_pixels` (the same budget the rollout loop shows the model);
 - full or LoRA fine-tuning, frozen vision tower and projector, cutoff, optimiser and schedule, batch,
   accumulation, seed, logging and checkpoint cadence;
@@ -24,9 +25,6 @@ import yaml
 from loupe.config import ParamsError, ProtocolParams
 from loupe.io import atomic_write_text
 from stages.sft.params import SftParams
-
-TEMPLATE = "qwen2_vl"
-"""LLaMA-Factory's chat template for Qwen2-VL and Qwen2.5-VL; the tiny model's chat template renders the same."""
 
 DEEPSPEED_DIR = Path(__file__).parent / "deepspeed"
 SHIPPED_DEEPSPEED = {"z2": DEEPSPEED_DIR / "ds_z2.json", "z3": DEEPSPEED_DIR / "ds_z3.json"}
@@ -86,12 +84,14 @@ def train_config(
     dataset_dir: Path,
     output_dir: Path,
     on_gpu: bool,
+    template: str,
     deepspeed: Path | None = None,
     report_to: str = "none",
     hide_gpu: bool = False,
 ) -> dict[str, Any]:
     """The `llamafactory-cli train` arguments for this run, in LLaMA-Factory's key names and a readable order.
 
+    `template` is LLaMA-Factory's chat template of the model's family (`loupe.models.family.llamafactory_template`);
     `hide_gpu` (sft.device: cpu) trains on the CPU even where a GPU is visible.
     """
     processes = cpu_processes(params, on_gpu)
@@ -119,7 +119,7 @@ def train_config(
             # data
             "dataset": params.dataset,
             "dataset_dir": str(Path(dataset_dir).resolve()),
-            "template": TEMPLATE,
+            "template": template,
             "cutoff_len": params.cutoff_len,
             # A changed dataset file must be tokenised again, never served from the datasets cache.
             "overwrite_cache": True,
@@ -167,12 +167,13 @@ def train_config(
     return config
 
 
-def export_config(base_model: Path, adapter_dir: Path, export_dir: Path, trust_remote_code: bool = False) -> dict[str, Any]:
+def export_config(base_model: Path, adapter_dir: Path, export_dir: Path, template: str,
+                  trust_remote_code: bool = False) -> dict[str, Any]:
     """The `llamafactory-cli export` arguments that merge the trained LoRA adapters into the base weights."""
     return {
         "model_name_or_path": str(Path(base_model).resolve()),
         "adapter_name_or_path": str(Path(adapter_dir).resolve()),
-        "template": TEMPLATE,
+        "template": template,
         "finetuning_type": "lora",
         "trust_remote_code": trust_remote_code,
         "export_dir": str(Path(export_dir).resolve()),

@@ -45,6 +45,10 @@ class SftParams(Section):
 
     dataset: str = "loupe_synth"
     """Dataset name declared in the dataset folder's dataset_info.json."""
+    template: str | None = None
+    """LLaMA-Factory's chat template; None: the model family's (loupe.models.family: `qwen2_vl` for Qwen2-VL and
+    Qwen2.5-VL, `qwen3_vl_nothink` for Qwen3-VL, `qwen3_5_nothink` for Qwen3.5, their thinking templates when the
+    model's own chat template opens a `<think>` block). Give it for a family Loupe does not know."""
     finetuning_type: Literal["full", "lora"] = "full"
     """Full fine-tuning, or LoRA adapters merged into the weights after training."""
     lora: LoraParams = LoraParams()

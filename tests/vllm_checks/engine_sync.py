@@ -55,7 +55,7 @@ def check(result: dict) -> None:
     root = make_toy_tasks(scratch)
     tasks = read_tasks(root / "train.jsonl")[:3]
     protocol = ProtocolParams(max_turns=2, max_context_tokens=2048)
-    rollout = RolloutParams(engine="vllm", temperature=1.0, max_new_tokens=12, vllm_dtype="float32")
+    rollout = RolloutParams(engine="vllm", temperature=1.0, max_new_tokens=12, vllm_dtype=os.environ.get("VLLM_CHECK_DTYPE", "float32"))
     engine = make_engine(rollout, protocol, model_path=model, seed=0)
     result["weights_format"] = list(engine.weights_format())
     result["device_identity"] = engine.device_identity()
