@@ -22,7 +22,7 @@ export TOKENIZERS_PARALLELISM := false
 export PYTHONUNBUFFERED := 1
 export DVC_NO_ANALYTICS := 1
 
-.PHONY: run ui tiny-model test test-slow test-learning test-vllm venv lock clean
+.PHONY: run ui tiny-model test test-slow test-learning test-families test-vllm venv lock clean
 
 # The Prefect flow over dvc.yaml: every stage DVC finds out of date, then a summary and where to look.
 run: $(STAMP)
@@ -61,8 +61,13 @@ test-slow: $(STAMP)
 test-learning: $(STAMP)
 	$(PY) -m pytest -q -m learning $(PYTEST_ARGS)
 
+# `loupe run` through all five stages on a tiny Qwen3-VL, Qwen3-VL-MoE and Qwen3.5, a few steps each
+# (tests/test_orchestration_e2e.py; about two minutes a family on 2 cores; CI runs it).
+test-families: $(STAMP)
+	$(PY) -m pytest -q -m families $(PYTEST_ARGS)
+
 # The real vLLM (its CPU build) generating: rollouts, weight syncs, the rl and eval stages, its OpenAI server
-# and `loupe serve` on vLLM (tests/test_vllm_real.py; builds .venv-vllm first, about 7 GB; ~11 minutes of tests; CI runs it).
+# and `loupe serve` on vLLM (tests/test_vllm_real.py; builds .venv-vllm first, about 7 GB; ~15 minutes of tests, a third of it the three current families; CI runs it).
 test-vllm: $(STAMP) vllm-venv
 	$(PY) -m pytest -q -m vllm $(PYTEST_ARGS)
 

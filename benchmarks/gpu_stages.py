@@ -8,7 +8,11 @@ Legs, each timed; a failed leg is reported and the later legs still run (the exi
      95% intervals (the leg fails only if RL's interval lies wholly below SFT's);
   d. rl for 2 steps on a random Qwen2.5-VL at 3B width (hidden 2048, 4 layers; the tiny builder's tokenizer,
      processor, head size 32 and MLP ratio, not the real 3B's), bf16 compute (rl.mixed_precision auto);
-  e. the same at 7B width (hidden 3584) with LoRA (rl.lora.rank=16 rl.lora.alpha=32).
+  e. the same at 7B width (hidden 3584) with LoRA (rl.lora.rank=16 rl.lora.alpha=32);
+  f. rl for 2 steps on a random Qwen3-VL at 8B width (hidden 4096, 4 layers, the tiny builder's shape otherwise:
+     loupe.models.tiny, family qwen3_vl);
+  g. the same on a random Qwen3.5 at 9B width (hidden 4096, 4 layers: three Gated DeltaNet layers and a full
+     attention one, its linear-attention state kept between turns by the transformers engine).
 Every rl leg prints seconds a step, the engine/learner log-prob gap, peak GPU memory, learner tokens/s and MFU.
 The summary table is printed last and written, with every figure, to OUT/gpu_stages.json (OUT: --out, else
 $OUT, else gpu-out/); each stage's log and metrics are copied there too. The legs share a time budget
@@ -56,8 +60,9 @@ PEAK_BF16_FLOPS = (("H200", 989e12), ("H100 PCIe", 756e12), ("H100 NVL", 835e12)
 LAUNCHER = ("import faulthandler, runpy, signal, sys; faulthandler.register(signal.SIGUSR1, all_threads=True); "
             "sys.argv = sys.argv[1:]; runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)")
 """`python -m MODULE ARGS`, with SIGUSR1 writing every thread's stack to the log (sent before a timed-out leg dies)."""
-WIDE = {"d": ("3B width", 2048, False), "e": ("7B width, LoRA", 3584, True)}
-"""The random wide legs: title, hidden size, LoRA."""
+WIDE = {"d": ("3B width", 2048, False, "qwen2_5_vl"), "e": ("7B width, LoRA", 3584, True, "qwen2_5_vl"),
+        "f": ("Qwen3-VL, 8B width", 4096, False, "qwen3_vl"), "g": ("Qwen3.5, 9B width", 4096, False, "qwen3_5")}
+"""The random wide legs: title, hidden size, LoRA, model family."""
 QUIET = ["rl.val_every=0", "rl.val_before_train=false", "rl.sample_trajectories_every=0"]
 """No validation and no sample pages: the wide legs' random models, and every rl leg on the CPU."""
 
@@ -278,8 +283,8 @@ def evaluate(run: Run, leg: Leg, sft: Path, rl_model: Path) -> None:
     leg.status = "ok"
 
 
-def wide(run: Run, leg: Leg, hidden: int, lora: bool) -> None:
-    """Legs d and e: a random Qwen2.5-VL of the given width (the tiny tokenizer and processor), then rl on it."""
+def wide(run: Run, leg: Leg, hidden: int, lora: bool, family: str) -> None:
+    """Legs d to g: a random model of the family at the given width (the tiny tokenizer and processor), then rl."""
     from loupe.models.tiny import build_tiny_model
 
     layers = run.args.wide_layers
@@ -288,7 +293,8 @@ def wide(run: Run, leg: Leg, hidden: int, lora: bool) -> None:
                  "run at hidden 64 x 1 layer on the CPU")
         hidden, layers = 64, 1
     started = time.perf_counter()
-    model = build_tiny_model(run.work / f"model-{leg.name}", seed=0, text_hidden=hidden, text_layers=layers)
+    model = build_tiny_model(run.work / f"model-{leg.name}", seed=0, text_hidden=hidden, text_layers=layers,
+                             family=family)
     print(f"built a random model of hidden {hidden} x {layers} layers in {time.perf_counter() - started:.1f} s",
           flush=True)
     try:
@@ -333,7 +339,7 @@ def run_leg(run: Run, leg: Leg) -> None:
     elif leg.name == "c":
         evaluate(run, leg, args.sft_model, run.work / "b" / "model")
     else:
-        wide(run, leg, WIDE[leg.name][1], WIDE[leg.name][2])
+        wide(run, leg, *WIDE[leg.name][1:])
 
 
 def run_legs(run: Run) -> int:
@@ -345,7 +351,7 @@ def run_legs(run: Run) -> int:
     if not CUDA:
         run.skip("bf16 compute, peak GPU memory and MFU (no GPU): float32 on the CPU, shown as -")
     legs = [Leg("a", "draw tasks"), Leg("b", "rl from SFT"), Leg("c", "eval SFT vs RL"),
-            *(Leg(name, title) for name, (title, _, _) in WIDE.items())]
+            *(Leg(name, title) for name, (title, *_) in WIDE.items())]
     started = time.perf_counter()
     for leg in legs:
         if leg.name not in args.legs:
@@ -385,16 +391,16 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "gpu-out"), help="logs and JSON")
     parser.add_argument("--work", type=Path, help="parent of the scratch folder (default: the system's temp)")
     parser.add_argument("--keep-work", action="store_true", help="keep the scratch folder (tasks, models, outputs)")
-    parser.add_argument("--legs", default="abcde", help="which legs to run, by letter (default: abcde)")
+    parser.add_argument("--legs", default="abcdefg", help="which legs to run, by letter (default: abcdefg)")
     parser.add_argument("--steps", type=int, default=4 if CUDA else 1, help="rl steps of leg b (4; 1 on CPU)")
-    parser.add_argument("--wide-steps", type=int, default=2 if CUDA else 1, help="rl steps of legs d, e (2; 1 on CPU)")
+    parser.add_argument("--wide-steps", type=int, default=2 if CUDA else 1, help="rl steps of legs d-g (2; 1 on CPU)")
     parser.add_argument("--wide-layers", type=int, default=4, help="decoder layers of the wide models on a GPU")
     parser.add_argument("--eval-questions", type=int, help="eval on the first N test questions (all; 4 on CPU)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="more rl overrides")
-    parser.add_argument("--budget-s", type=float, default=270.0 if CUDA else 1200.0, help="seconds for all legs")
+    parser.add_argument("--budget-s", type=float, default=420.0 if CUDA else 1500.0, help="seconds for all legs")
     parser.add_argument("--rl-timeout", type=float, default=120.0 if CUDA else 300.0, help="leg b's limit, s")
     parser.add_argument("--eval-timeout", type=float, default=120.0 if CUDA else 300.0, help="leg c's limit, s")
-    parser.add_argument("--wide-timeout", type=float, default=90.0 if CUDA else 300.0, help="legs d's, e's limit, s")
+    parser.add_argument("--wide-timeout", type=float, default=75.0 if CUDA else 300.0, help="legs d-g's limit, s")
     args = parser.parse_args()
     args.params, args.sft_model = args.params.resolve(), args.sft_model.resolve()
     args.out.mkdir(parents=True, exist_ok=True)

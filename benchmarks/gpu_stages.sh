@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The GPU check of the stages themselves (benchmarks/gpu_stages.py): the default's rl stage from the SFT model,
-# the eval verdict (RL against SFT), and rl on random Qwen2.5-VL models at 3B and 7B width (7B with LoRA), on a
+# the eval verdict (RL against SFT), and rl on random Qwen2.5-VL models at 3B and 7B width (7B with LoRA) and on
+# random Qwen3-VL and Qwen3.5 models at 8B and 9B width, on a
 # bare GPU machine that has torch, transformers and peft but no network, no vLLM, no Ray and no pydantic.
 # It installs the wheels carried in .whl/ into /tmp/site (nothing else is installed), prints the GPU and the
 # versions, then runs gpu_stages.py with this script's arguments; logs and gpu_stages.json go to $OUT.
 #
 # Here, before the lease:  make run          (leaves work/sft/model)
 #                          make gpu-bundle   (cp312 wheels into .whl/, about 3 MB; checks work/sft/model)
-# Carry .whl and work/sft/model, then on the GPU machine, from the checkout's root (about 4-5 minutes):
+# Carry .whl and work/sft/model, then on the GPU machine, from the checkout's root (about 7 minutes):
 #     OUT=gpu-out bash benchmarks/gpu_stages.sh                  # every leg
 #     bash benchmarks/gpu_stages.sh --legs bc --set rl.ray.colocate=true   # gpu_stages.py's options pass through
 set -u

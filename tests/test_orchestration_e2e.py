@@ -145,3 +145,32 @@ def test_loupe_run_end_to_end_then_everything_is_skipped(tmp_path):
     ran = [s for s in STAGES if f"Running stage '{s}'" in experiment.stdout]
     assert ran == ["eval"], experiment.stdout[-3000:]
     assert json.loads((work / "eval" / "metrics.json").read_text())["synthetic"]["samples_per_question"] == 2
+
+
+FAMILY_TEMPLATES = {"qwen3_vl": "qwen3_vl_nothink", "qwen3_vl_moe": "qwen3_vl_nothink", "qwen3_5": "qwen3_5_nothink"}
+
+
+@pytest.mark.families
+@pytest.mark.parametrize("family", sorted(FAMILY_TEMPLATES))
+def test_each_family_runs_the_five_stages_through_loupe_run(family, tmp_path):
+    """A tiny model of each current family, built offline by the data stage, through every stage of `loupe run` (a
+    few steps each; the default's Qwen2.5-VL runs above): SFT on LLaMA-Factory's template for the family, RL on
+    the transformers engine (Qwen3.5's linear-attention states kept between turns), eval of base, SFT and RL."""
+    from loupe.models.family import read_family
+
+    params = yaml.safe_load(reduced_params(tmp_path / "params.yaml").read_text())
+    params["model"].update(tiny_family=family, tiny_perception_steps=0)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    repo = scratch_copy(tmp_path / "repo", tmp_path / "params.yaml")
+    run = loupe(repo, "pipelines.cli", "run")
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    rows = table_rows(run.stdout)
+    assert list(rows) == STAGES and all(" ran " in rows[s] for s in STAGES), run.stdout[-3000:]
+    work = repo / "work"
+    for model in ("models/tiny", "sft/model", "rl/model"):
+        assert read_family(work / model).name == family, model
+    train_yaml = yaml.safe_load((work / "sft" / "llamafactory" / "train.yaml").read_text())
+    assert train_yaml["template"] == FAMILY_TEMPLATES[family]
+    assert read_family(work / "rl" / "model").image_factor == 32  # 16-px patches merged 2 x 2
+    evaluated = json.loads((work / "eval" / "metrics.json").read_text())
+    assert {"base", "sft", "rl"} <= set(evaluated["models"]), evaluated

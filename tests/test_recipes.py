@@ -251,3 +251,18 @@ def test_a_preset_without_its_task_folder_names_the_command_that_makes_it(tmp_pa
     monkeypatch.setattr(pipelines.flow, "loupe_pipeline", lambda **kw: ran.append(kw) or [])
     assert main(["run", "--params", "params/lmm-r1.yaml"]) == 0 and len(ran) == 1
     assert (tmp_path / "work" / "runs" / "lmm-r1" / "data" / "mgt_geo").is_dir()  # through the workspace's link
+
+
+def test_the_qwen3_vl_variant_of_mini_o3_changes_only_what_the_family_changes():
+    """params/mini-o3-qwen3-vl.yaml is Mini-o3's recipe with each key the model family changes listed and argued
+    under `scaled`: nothing else differs, and each listed key does."""
+    variant_file = ROOT / "params" / "mini-o3-qwen3-vl.yaml"
+    variant, preset = (_leaves(read_recipe(ROOT, path)) for path in (variant_file, ROOT / "params" / "mini-o3.yaml"))
+    changed = {path for path in set(variant) | set(preset) if variant.get(path, _ABSENT) != preset.get(path, _ABSENT)}
+    scaled = scaled_keys(variant_file)
+    assert read_params_file(variant_file)["base"] == "params/mini-o3.yaml"
+    assert all(any(_under(path, key) for key in scaled) for path in changed), sorted(changed)
+    assert all(any(_under(path, key) for path in changed) for key in scaled), scaled
+    # The token budget Mini-o3 gave an image, on the 32-px grid (a token: 32 x 32 px, not 28 x 28).
+    assert variant["protocol.max_pixels"] // 1024 == preset["protocol.max_pixels"] // 784
+    assert variant["protocol.min_pixels"] // 1024 == preset["protocol.min_pixels"] // 784

@@ -151,3 +151,25 @@ def test_a_discarded_turn_leaves_the_running_batch_and_the_others_unchanged(task
 
     whole, dropped = generations(False), generations(True)
     assert len(dropped) == 2 and all(dropped[i] == whole[i] for i in dropped)
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_vl_moe", "qwen3_5"])
+def test_each_family_is_served_with_its_zoom_loop_as_in_process(family, family_model_dirs, tasks, params_file):
+    """`loupe serve` on a tiny Qwen3-VL, Qwen3-VL-MoE and Qwen3.5: two requests at once (sharing the running batch,
+    Qwen3.5's linear-attention states kept per dialogue) get the trajectories the in-process loop gives."""
+    model = family_model_dirs[family]
+    built = build_server(model, params_file)
+    records = read_tasks(tasks / "test.jsonl")[:2]
+    try:
+        with running(built.app) as url, ThreadPoolExecutor(2) as pool:
+            served = list(pool.map(lambda record: _served(url, built.model, tasks / record.images[0], record.problem),
+                                   records))
+    finally:
+        built.scheduler.close()
+    protocol = ProtocolParams(max_turns=4)
+    engine = TransformersEngine(load_model(model, device="cpu"), load_processor(model),
+                                get_protocol(protocol.name).stop, temperature=0.0, batch_size=8)
+    in_process = run_rollouts(records, engine, protocol, tasks, max_new_tokens=40)
+    assert served == [{"answer": t.answer or "", "end": t.end_reason,
+                       "said": [turn.text for turn in t.turns if turn.role == "assistant"],
+                       "crops": [turn.crop["region_px"] for turn in t.turns if turn.crop]} for t in in_process]

@@ -73,3 +73,11 @@ def test_the_committed_artefact_is_intact_and_is_the_one_params_yaml_asks_for():
                                                model["tiny_text_layers"], model["tiny_perception_steps"])
     assert manifest["perception"]["held_out_accuracy"] >= 0.8  # it sees colours: docs/learning.md
     assert json.loads((REPO / model["tiny_artifact"] / "config.json").read_text())["model_type"] == "qwen2_5_vl"
+
+
+def test_a_run_on_another_model_builds_no_tiny_model(tmp_path, capsys):
+    count, report = build_tiny(tmp_path / "tiny", ModelParams(build_tiny=False, path="/models/Qwen3-VL-8B-Instruct"))
+    assert (count, report) == (0, {})
+    assert [p.name for p in (tmp_path / "tiny").iterdir()] == ["NOT_BUILT.txt"]
+    assert "/models/Qwen3-VL-8B-Instruct" in (tmp_path / "tiny" / "NOT_BUILT.txt").read_text()
+    assert "not built (model.build_tiny: false" in capsys.readouterr().out

@@ -39,6 +39,7 @@ from loupe.config import (
     params_with_overrides,
 )
 from loupe.io import atomic_write_json
+from loupe.models.family import ModelFamilyError, llamafactory_template, read_family
 from loupe.tracking import stage_run, tracking_uri
 from stages.sft import checks, export, images, llamafactory_config, report, runner
 from stages.sft.params import SftParams
@@ -77,12 +78,13 @@ def run_sft(params_path: Path, model_path: Path, dataset_dir: Path, out_dir: Pat
     on_gpu = _on_gpu(params.device)
     deepspeed = llamafactory_config.resolve_deepspeed(params.gpu.deepspeed) if on_gpu else None
     notes = _check_gpu_stack(params, on_gpu, deepspeed)
-    from loupe.models.family import llamafactory_template, read_family
-
-    template = llamafactory_template(read_family(model_path), params.template)
     preflight = checks.preflight(
         model_path, dataset_dir, params.dataset, params.cutoff_len, protocol.min_pixels, protocol.max_pixels
     )
+    try:
+        template = llamafactory_template(read_family(model_path), params.template)
+    except ModelFamilyError as error:
+        raise checks.InputError(str(error)) from error
     print(
         f"sft: {preflight.samples} samples, {preflight.assistant_turns} assistant turns, {preflight.images} images; "
         f"tokens per sample: mean {preflight.mean_tokens:.0f}, max {preflight.max_tokens} (cutoff {params.cutoff_len})"
