@@ -27,7 +27,7 @@ from published_benchmarks import (
     build_vstar,
 )
 
-from loupe.data import benchmarks
+from loupe.data import benchmark_rows, benchmark_tables
 from loupe.data.benchmarks import (
     BENCHMARKS,
     BenchmarkFormatError,
@@ -218,8 +218,8 @@ def test_hrbench_folder_finds_its_file(tmp_path):
 def test_hrbench_decoding_is_cached(tmp_path, monkeypatch):
     tsv = write_tsv(tmp_path / "hr.tsv", TABLE_COLUMNS, hrbench_rows())
     writes: list[Path] = []
-    real_write = benchmarks.atomic_write_bytes
-    monkeypatch.setattr(benchmarks, "atomic_write_bytes", lambda p, d: (writes.append(p), real_write(p, d)))
+    real_write = benchmark_tables.atomic_write_bytes
+    monkeypatch.setattr(benchmark_tables, "atomic_write_bytes", lambda p, d: (writes.append(p), real_write(p, d)))
 
     bench = load_benchmark("hrbench4k", tsv, tmp_path / "cache")
     assert len(writes) == 2
@@ -334,10 +334,10 @@ def test_hrbench_parquet(tmp_path):
 
 def test_image_cells_in_every_published_shape():
     png = image_bytes("red")
-    assert benchmarks._image_cell(b64(png), "w") == png  # base64 text (TSV, HR-Bench parquet)
-    assert benchmarks._image_cell(png, "w") == png  # raw bytes (a binary parquet column)
-    assert benchmarks._image_cell({"bytes": png, "path": None}, "w") == png  # a Hugging Face Image feature
-    assert benchmarks._image_cell(" 17 ", "w") == "17"  # another row's index
+    assert benchmark_tables._image_cell(b64(png), "w") == png  # base64 text (TSV, HR-Bench parquet)
+    assert benchmark_tables._image_cell(png, "w") == png  # raw bytes (a binary parquet column)
+    assert benchmark_tables._image_cell({"bytes": png, "path": None}, "w") == png  # a Hugging Face Image feature
+    assert benchmark_tables._image_cell(" 17 ", "w") == "17"  # another row's index
 
 
 def test_parquet_without_pyarrow_says_what_to_install(tmp_path, monkeypatch):
@@ -588,7 +588,7 @@ def close(pixel, colour, tolerance: int = 8) -> bool:
      ("No placeholder here.", "No placeholder here.")],
 )
 def test_image_placeholders_leave_the_question(text, expected):
-    assert benchmarks._without_placeholders(text) == expected
+    assert benchmark_rows._without_placeholders(text) == expected
 
 
 def test_a_placeholder_in_any_format_is_removed(tmp_path):

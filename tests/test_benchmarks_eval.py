@@ -15,6 +15,7 @@ from published_benchmarks import PublishedCopy, build_all
 from test_rollout_loop import ScriptedEngine
 
 import stages.eval.__main__ as eval_stage
+import stages.eval.one_model as one_model
 from loupe.data.benchmarks import load_benchmark
 from loupe.data.tasks import OPTION_LETTERS
 from loupe.protocol import IMAGE_PLACEHOLDER, get_protocol
@@ -71,7 +72,7 @@ def test_every_benchmark_scores_through_the_eval_stage(tmp_path, monkeypatch, va
     }
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     engine = AnswerKeyEngine(answer_key(copies, tmp_path / "key-cache", right, "mini_o3"), "mini_o3")
-    monkeypatch.setattr(eval_stage, "make_engine", lambda *args, **kwargs: engine)
+    monkeypatch.setattr(one_model, "make_engine", lambda *args, **kwargs: engine)
     (tmp_path / "model").mkdir()
 
     out = tmp_path / "out"

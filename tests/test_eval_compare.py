@@ -25,6 +25,7 @@ from PIL import Image
 from test_rollout_loop import ScriptedEngine
 
 import stages.eval.__main__ as eval_stage
+import stages.eval.one_model as one_model
 from loupe.compare import comparison_table, is_comparison, verdict
 from loupe.data.tasks import TaskRecord
 from pipelines.summary import comparison_text, key_metrics, stage_metrics
@@ -227,7 +228,7 @@ def test_three_models_each_in_its_folder_then_one_comparison(tmp_path, key_tasks
         alive.append(weakref.ref(engine))
         return engine
 
-    monkeypatch.setattr(eval_stage, "make_engine", make_engine)
+    monkeypatch.setattr(one_model, "make_engine", make_engine)
     params = write_params(tmp_path, key_tasks)
     base, sft, rl = model_dirs(tmp_path / "models", "base", "sft", "rl")
     out = tmp_path / "out"
@@ -266,7 +267,7 @@ def test_three_models_each_in_its_folder_then_one_comparison(tmp_path, key_tasks
 
 
 def test_a_bare_model_path_is_named_model(tmp_path, key_tasks, monkeypatch):
-    monkeypatch.setattr(eval_stage, "make_engine", lambda *a, **k: KeyEngine(lambda w: w != "owl"))
+    monkeypatch.setattr(one_model, "make_engine", lambda *a, **k: KeyEngine(lambda w: w != "owl"))
     [model] = model_dirs(tmp_path, "some-model")
     out = tmp_path / "out"
     assert eval_stage.main(["--params", str(write_params(tmp_path, key_tasks)), "--model", str(model),
@@ -287,7 +288,7 @@ def test_model_arguments(tmp_path):
 
 def test_a_missing_model_fails_before_any_model_runs(tmp_path, key_tasks, monkeypatch, capsys):
     loaded: list[str] = []
-    monkeypatch.setattr(eval_stage, "make_engine", lambda r, p, model_path, seed: loaded.append(model_path) or
+    monkeypatch.setattr(one_model, "make_engine", lambda r, p, model_path, seed: loaded.append(model_path) or
                         KeyEngine(lambda w: True))
     [base] = model_dirs(tmp_path, "base")
     code = eval_stage.main(["--params", str(write_params(tmp_path, key_tasks)), "--model", f"base={base}",
@@ -365,7 +366,7 @@ def test_a_model_failing_side_by_side_fails_the_stage_naming_it(tmp_path, key_ta
 
 def test_one_model_in_process_still_writes_into_its_folder(tmp_path, key_tasks, monkeypatch):
     """`evaluate` (one model, no comparison) is what the rl stage's tests and benchmarks/eval_memory.py call."""
-    monkeypatch.setattr(eval_stage, "make_engine", lambda *a, **k: KeyEngine(lambda w: w == "cat"))
+    monkeypatch.setattr(one_model, "make_engine", lambda *a, **k: KeyEngine(lambda w: w == "cat"))
     metrics = eval_stage.evaluate(write_params(tmp_path, key_tasks), tmp_path / "model", tmp_path / "out",
                                   progress=False)
     assert metrics["benchmarks"]["synthetic"]["accuracy"] == 0.5
@@ -377,9 +378,10 @@ def test_killing_the_stage_stops_the_models_it_runs_side_by_side(tmp_path, tiny_
     """SIGKILL to the stage alone (what a scheduler or `kill -9` does) ends its model processes too."""
     from loupe.data.synthetic import SyntheticConfig, generate_tasks
 
-    # 40 questions x 4 samples: each model computes for well over the 5 s its end is given below.
+    # 40 questions x 64 samples: thousands of trajectories, minutes of work for each model on any CPU, so the stage is
+    # killed mid-computation however fast the machine (the wait below is on the models' own CPU time, not a clock).
     generate_tasks(tmp_path / "tasks", SyntheticConfig(seed=3, train=0, val=0, test=40, canvas_side=(1024, 1100)))
-    params = write_params(tmp_path, tmp_path / "tasks", temperature=1.0, model_processes=2, samples=4)
+    params = write_params(tmp_path, tmp_path / "tasks", temperature=1.0, model_processes=2, samples=64)
     stage = subprocess.Popen([sys.executable, "-m", "stages.eval", "--params", str(params), "--model",
                               f"a={tiny_model_dir}", "--model", f"b={tiny_model_dir}", "--out", str(tmp_path / "out"),
                               "--no-progress"], cwd=Path(__file__).resolve().parent.parent,
@@ -393,7 +395,8 @@ def test_killing_the_stage_stops_the_models_it_runs_side_by_side(tmp_path, tiny_
             models = [c for c in psutil.Process(stage.pid).children()
                       if "spawn_main" in " ".join(c.cmdline()) and "resource_tracker" not in " ".join(c.cmdline())]
         assert len(models) == 2, "the two model processes never started"
-        time.sleep(8)  # past their start: computing
+        while time.monotonic() < deadline and min(sum(m.cpu_times()[:2]) for m in models) < 3.0:
+            time.sleep(0.2)  # until each has computed for 3 s of CPU: loaded and rolling out
         assert all(m.is_running() for m in models) and stage.poll() is None
     finally:
         stage.kill()

@@ -23,6 +23,7 @@ import yaml
 from test_rollout_loop import ScriptedEngine, call
 
 import stages.eval.__main__ as eval_stage
+import stages.eval.one_model as one_model
 from loupe.config import ProtocolParams, RolloutParams
 from loupe.data.benchmarks import load_benchmark
 from loupe.data.synthetic import SyntheticConfig, generate_tasks
@@ -73,7 +74,7 @@ def run_stage(params: Path, model: Path, out: Path) -> Path:
 @pytest.fixture()
 def scripted(monkeypatch):
     """The stage's engine replaced by a scripted one; returns the list of task counts run_rollouts was given."""
-    monkeypatch.setattr(eval_stage, "make_engine", lambda *args, **kwargs: ScriptedEngine([SCRIPT]))
+    monkeypatch.setattr(one_model, "make_engine", lambda *args, **kwargs: ScriptedEngine([SCRIPT]))
     return monkeypatch
 
 
@@ -86,7 +87,7 @@ def leftovers(folder: Path) -> list[Path]:
 
 def test_eval_holds_at_most_a_chunk_of_trajectories_and_the_viewers_share(tmp_path, tasks_dir, scripted):
     params = write_params(tmp_path, tasks_dir, chunk_size=2, viewer_trajectories=1)
-    real_run = eval_stage.run_rollouts
+    real_run = one_model.run_rollouts
     made: list[weakref.ref] = []
     calls: list[dict] = []
 
@@ -99,7 +100,7 @@ def test_eval_holds_at_most_a_chunk_of_trajectories_and_the_viewers_share(tmp_pa
         made.extend(weakref.ref(t) for t in out)
         return out
 
-    scripted.setattr(eval_stage, "run_rollouts", watched)
+    scripted.setattr(one_model, "run_rollouts", watched)
     run_stage(params, tmp_path / "model", tmp_path / "out")
     # 5 questions in chunks of 2: three calls, and before each one only the viewer's single trajectory survives
     # of the earlier chunks (an eval that kept everything would hold 4 and then 8 here).
@@ -111,8 +112,8 @@ def test_eval_holds_at_most_a_chunk_of_trajectories_and_the_viewers_share(tmp_pa
 
 def test_a_benchmark_no_larger_than_a_chunk_runs_in_one_call(tmp_path, tasks_dir, scripted):
     sizes: list[int] = []
-    real_run = eval_stage.run_rollouts
-    scripted.setattr(eval_stage, "run_rollouts", lambda tasks, *a, **k: sizes.append(len(tasks)) or real_run(tasks, *a, **k))
+    real_run = one_model.run_rollouts
+    scripted.setattr(one_model, "run_rollouts", lambda tasks, *a, **k: sizes.append(len(tasks)) or real_run(tasks, *a, **k))
     run_stage(write_params(tmp_path, tasks_dir), tmp_path / "model", tmp_path / "out")
     assert EvalParams().chunk_size >= 5 and sizes == [5]
 
@@ -139,7 +140,7 @@ def test_a_failure_mid_run_leaves_the_previous_outputs_whole(tmp_path, tasks_dir
     run_stage(params, tmp_path / "model", out)
     before = {name: (out / "model" / name).read_bytes() for name in FINAL_OUTPUTS}
     comparison = (out / "metrics.json").read_bytes()
-    real_run = eval_stage.run_rollouts
+    real_run = one_model.run_rollouts
     seen: list[int] = []
 
     def failing(tasks, *args, **kwargs):
@@ -151,7 +152,7 @@ def test_a_failure_mid_run_leaves_the_previous_outputs_whole(tmp_path, tasks_dir
         seen.append(0)
         return real_run(tasks, *args, **kwargs)
 
-    scripted.setattr(eval_stage, "run_rollouts", failing)
+    scripted.setattr(one_model, "run_rollouts", failing)
     with pytest.raises(RuntimeError, match="node lost"):
         eval_stage.main(["--params", str(params), "--model", str(tmp_path / "model"), "--out", str(out), "--no-progress"])
     assert seen == [0, 4]
@@ -166,15 +167,16 @@ from pathlib import Path
 sys.path.insert(0, {tests!r})
 from test_rollout_loop import ScriptedEngine
 import stages.eval.__main__ as eval_stage
-eval_stage.make_engine = lambda *a, **k: ScriptedEngine([{script!r}])
-real_run, calls = eval_stage.run_rollouts, []
+import stages.eval.one_model as one_model
+one_model.make_engine = lambda *a, **k: ScriptedEngine([{script!r}])
+real_run, calls = one_model.run_rollouts, []
 def run(tasks, *a, **k):
     calls.append(len(tasks))
     if len(calls) == 2:  # chunk 1 is written: say so, then wait to be killed
         Path({marker!r}).write_text("ready")
         time.sleep(120)
     return real_run(tasks, *a, **k)
-eval_stage.run_rollouts = run
+one_model.run_rollouts = run
 sys.exit(eval_stage.main(sys.argv[1:]))
 """
 
@@ -208,7 +210,7 @@ def test_a_killed_run_leaves_no_half_file_and_the_next_run_cleans_up(tmp_path, t
     assert len(trajectories.read_text().splitlines()) == 4  # chunk 1 (2 questions x 2 samples) had been streamed
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(eval_stage, "make_engine", lambda *a, **k: ScriptedEngine([SCRIPT]))
+        patch.setattr(one_model, "make_engine", lambda *a, **k: ScriptedEngine([SCRIPT]))
         run_stage(params, tmp_path / "model", out)
     assert leftovers(out) == []
     assert len((out / "model" / "results.jsonl").read_text().splitlines()) == 10

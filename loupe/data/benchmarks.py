@@ -29,68 +29,48 @@ Policies:
   field; no reader lets a raw decoding exception out.
 """
 
+
 from __future__ import annotations
 
-import ast
-import base64
-import binascii
-import csv
-import io
 import logging
-import math
 import os
 import random
-import re
 import zlib
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from loupe.data.benchmark_rows import (
+    Benchmark,
+    BenchmarkFormatError,
+    BenchmarkNotFoundError,
+    BenchmarkReader,
+    UnknownBenchmarkError,
+    _check_images,
+    _file_in,
+    _home,
+    _identifier,
+    _letter,
+    _make_task,
+    _option_lines,
+    _parse_json,
+    _read_text,
+    _required,
+    _text_cell,
+    _without_placeholders,
+)
+from loupe.data.benchmark_tables import (
+    _read_base64_table,
+)
 from loupe.data.tasks import (
     OPTION_LETTERS,
     TaskRecord,
     TaskRecordError,
-    check_image_paths,
-    decode_utf8,
-    parse_json,
-    parse_task,
     read_tasks,
 )
-from loupe.images import IMAGE_FORMATS, is_image_name
-from loupe.io import atomic_write_bytes
-from loupe.protocol import IMAGE_PLACEHOLDER
+from loupe.images import is_image_name
 
 log = logging.getLogger(__name__)
-
-
-class BenchmarkFormatError(ValueError):
-    """A benchmark file or row that cannot be read; the message names the file, the row or line and the field."""
-
-
-class BenchmarkNotFoundError(FileNotFoundError):
-    """The local copy of a benchmark is not where it was said to be; the message says where to point instead."""
-
-
-class UnknownBenchmarkError(ValueError):
-    """A benchmark name that no reader knows; the message lists the known ones."""
-
-
-@dataclass(frozen=True)
-class Benchmark:
-    """One benchmark's questions; every task's relative `images` resolve against `image_root`."""
-
-    name: str
-    tasks: list[TaskRecord]
-    image_root: Path
-
-    def image_paths(self, task: TaskRecord) -> list[Path]:
-        return [self.image_root / image for image in task.images]
-
-
-BenchmarkReader = Callable[[str, Path, Path], Benchmark]
-"""(canonical name, local path, cache dir) -> Benchmark."""
-
 
 def load_benchmark(name: str, path: str | Path, cache_dir: str | Path) -> Benchmark:
     """Read benchmark `name` from its local copy at `path`; decoded images go under `cache_dir/<name>/`."""
@@ -105,202 +85,6 @@ def load_benchmark(name: str, path: str | Path, cache_dir: str | Path) -> Benchm
         raise BenchmarkFormatError(f"benchmark {key!r}: {path} holds no questions")
     log.info("benchmark %s: %d questions from %s", key, len(benchmark.tasks), path)
     return benchmark
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Finding the copy: the path given, or a clear word on which path to give instead
-
-
-def _home(name: str, path: Path, is_home: Callable[[Path], bool], wanted: str) -> Path:
-    """`path` when it is the benchmark's folder (`is_home`); else an error naming the folder to give instead.
-
-    A user who points at the folder above the copy (or at a folder inside it, such as its images) is told which
-    path to give rather than that nothing is there.
-    """
-    if is_home(path):
-        return path
-    children = sorted(d for d in _subfolders(path) if is_home(d))
-    if children:
-        preferred = [d for d in children if _squash(d.name) == _squash(name)] or children
-        found = ", ".join(str(d) for d in preferred[:3])
-        raise BenchmarkNotFoundError(f"benchmark {name!r}: {path} holds no {wanted}, but {found} does: give that path")
-    if path.parent != path and is_home(path.parent):
-        raise BenchmarkNotFoundError(
-            f"benchmark {name!r}: {path} is a folder inside the benchmark's copy; give its parent {path.parent}"
-        )
-    raise BenchmarkNotFoundError(f"benchmark {name!r}: {path} holds no {wanted}")
-
-
-def _subfolders(path: Path) -> list[Path]:
-    try:
-        return [d for d in path.iterdir() if d.is_dir()]
-    except OSError:
-        return []
-
-
-def _squash(text: str) -> str:
-    """A folder or benchmark name without case, dashes and underscores: VisualProbe_Hard ~ visualprobe_hard."""
-    return re.sub(r"[-_\s]", "", text.lower())
-
-
-def _file_in(name: str, path: Path, file_names: tuple[str, ...], suffixes: tuple[str, ...] = (),
-             not_these: tuple[str, ...] = ()) -> Path:
-    """`path` itself when it is a file; else the first of `file_names` in the benchmark's folder, else its only
-    `suffixes` file that is not one of `not_these` (another benchmark's file, which must never stand in)."""
-    if path.is_file():
-        return path
-
-    def found_in(folder: Path) -> Path | None:
-        for file_name in file_names:
-            if (folder / file_name).is_file():
-                return folder / file_name
-        try:
-            candidates = [p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in suffixes]
-        except OSError:
-            return None
-        candidates = [p for p in candidates if p.name not in not_these]
-        return candidates[0] if len(candidates) == 1 else None
-
-    wanted = " or ".join(file_names + tuple(f"single *{s} file" for s in suffixes))
-    if suffixes and path.is_dir():
-        present = sorted(p.name for p in path.iterdir() if p.is_file() and p.suffix.lower() in suffixes)
-        wanted += f" (found {', '.join(present)})" if present else ""
-    home = _home(name, path, lambda folder: found_in(folder) is not None, wanted)
-    return found_in(home) or home  # found_in(home) is a file: _home returned it because it is
-
-
-def _read_text(file: Path) -> str:
-    """The file as UTF-8 text (a byte-order mark is allowed); bad bytes are an error naming the line."""
-    try:
-        data = file.read_bytes()
-    except OSError as err:
-        raise BenchmarkFormatError(f"{file}: cannot be read ({err.strerror or err})") from None
-    try:
-        return decode_utf8(data, str(file))
-    except TaskRecordError as err:
-        raise BenchmarkFormatError(str(err)) from None
-
-
-def _parse_json(text: str, where: str) -> Any:
-    """The task reader's strict JSON (`loupe.data.tasks.parse_json`), its error as a BenchmarkFormatError."""
-    try:
-        return parse_json(text, where)
-    except TaskRecordError as err:
-        raise BenchmarkFormatError(str(err)) from None
-
-
-def _without_placeholders(text: str) -> str:
-    """`text` with every image placeholder removed; a line that held only placeholders is dropped."""
-    if IMAGE_PLACEHOLDER not in text:
-        return text.strip()
-    lines = []
-    for line in text.splitlines():
-        if IMAGE_PLACEHOLDER in line:
-            line = re.sub(r"[ \t]{2,}", " ", line.replace(IMAGE_PLACEHOLDER, " ")).strip()
-            if not line:
-                continue
-        lines.append(line)
-    return "\n".join(lines).strip()
-
-
-def _make_task(data: dict[str, Any], where: str, seen: dict[str, str], id_field: str = "doc_id") -> TaskRecord:
-    """Validate one record, its question text without image placeholders, and check its id is new; `seen` maps doc
-    ids to where they were read."""
-    data = dict(data)
-    if isinstance(data.get("problem"), str):
-        data["problem"] = _without_placeholders(data["problem"])
-        if not data["problem"]:
-            raise BenchmarkFormatError(f"{where}: field 'problem': no question text besides the image placeholder")
-    if isinstance(data.get("options"), list):
-        data["options"] = [_without_placeholders(o) if isinstance(o, str) else o for o in data["options"]]
-    try:
-        task = parse_task(data, where)
-    except TaskRecordError as err:
-        raise BenchmarkFormatError(str(err)) from None
-    if task.doc_id in seen:
-        raise BenchmarkFormatError(f"{where}: field '{id_field}': {task.doc_id!r} repeats {seen[task.doc_id]}")
-    seen[task.doc_id] = where
-    return task
-
-
-def _check_images(task: TaskRecord, root: Path, where: str, field: str = "images", hint: str = "") -> None:
-    """Every image path passes the task reader's rule under `root` (`check_image_paths`) and names a file there.
-
-    `field` is the publisher's column for a one-image record (errors name it); `hint` is added when a file is
-    missing (a copy one folder off).
-    """
-    try:
-        check_image_paths(task, root, where, must_exist=True, field_name=None if field == "images" else field)
-    except TaskRecordError as err:
-        message = str(err)
-        raise BenchmarkFormatError(message + (hint if message.endswith("does not exist") else "")) from None
-
-
-def _required(row: dict[str, Any], field: str, where: str) -> Any:
-    value = row.get(field)
-    if value is None or (isinstance(value, str) and not value.strip()):
-        raise BenchmarkFormatError(f"{where}: field '{field}' is missing or empty")
-    return value
-
-
-def _identifier(value: Any, where: str, field: str) -> str:
-    """An id given as a string or an integer (JSON files hold either), as text."""
-    if isinstance(value, bool) or not isinstance(value, (str, int)) or not str(value).strip():
-        raise BenchmarkFormatError(f"{where}: field '{field}': {value!r} is not a string or integer id")
-    return str(value).strip()
-
-
-def _letter(value: Any, letters: str, where: str, field: str) -> str:
-    """The option letter `value` names ("B" or "(B)"), which must be one of `letters`."""
-    letter = _text_cell(value).strip("()").strip().upper()
-    if len(letter) != 1 or letter not in letters:
-        raise BenchmarkFormatError(f"{where}: field '{field}': {value!r} is not one of the option letters {letters}")
-    return letter
-
-
-def _text_cell(value: Any) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):  # pandas writes empty cells as NaN
-        return ""
-    return str(value).strip()
-
-
-_OPTION_LINE = re.compile(r"^\(([A-Z])\)\s*(.*)$", re.DOTALL)
-
-
-def _option_lines(lines: list[str], where: str, field: str) -> tuple[int, list[str]]:
-    """(index of the first "(A) ..." line, option texts), reading consecutive option lines in letter order."""
-    first = next((i for i, line in enumerate(lines) if _OPTION_LINE.match(line)), None)
-    if first is None:
-        raise BenchmarkFormatError(f"{where}: field '{field}': no '(A) ...' option lines")
-    options: list[str] = []
-    for line in lines[first:]:
-        match = _OPTION_LINE.match(line)
-        if match is None:
-            break  # what follows the options is an instruction, not part of the question
-        due = OPTION_LETTERS[len(options)]
-        if match.group(1) != due or not match.group(2).strip():
-            raise BenchmarkFormatError(f"{where}: field '{field}': option line {line!r} where ({due}) <text> was due")
-        options.append(match.group(2).strip())
-        if len(options) == len(OPTION_LETTERS):
-            break
-    if len(options) < 2:
-        raise BenchmarkFormatError(f"{where}: field '{field}': a choice question needs at least 2 options")
-    return first, options
-
-
-def _literal_options(text: str, where: str, field: str) -> list[str]:
-    """Option texts from a Python-literal list of "(A) text" strings, read with `ast.literal_eval` (literals only,
-    never run as code; VLMEvalKit's MMERealWorld.load_data reads the same cell with `eval`)."""
-    try:
-        value = ast.literal_eval(text)
-    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-        raise BenchmarkFormatError(f"{where}: field '{field}': not a Python list literal of '(A) text' strings") from None
-    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-        raise BenchmarkFormatError(f"{where}: field '{field}': expected a list of '(A) text' strings")
-    lines = [v.strip() for v in value]
-    if not all(_OPTION_LINE.match(line) for line in lines):
-        raise BenchmarkFormatError(f"{where}: field '{field}': every entry must be an option '(A) text'")
-    return _option_lines(lines, where, field)[1]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -463,199 +247,6 @@ def _read_visualprobe(name: str, path: Path, cache_dir: Path) -> Benchmark:
         task = _make_task(data, where, seen)
         _check_images(task, image_root, where, hint=hint)
         tasks.append(task)
-    return Benchmark(name, tasks, image_root)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Table readers with base64 images: HR-Bench, MME-RealWorld-Lite
-
-
-def _tsv_rows(file: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    """Rows of a tab-separated file with a header (what pandas' to_csv(sep="\\t") writes and read_csv reads)."""
-    # One cell holds a whole base64 image, far past csv's 128 KiB default; 2**31 - 1 fits a C long everywhere.
-    old_limit = csv.field_size_limit(2**31 - 1)
-    n, line = 0, 0
-    try:
-        with file.open("rb") as f:
-            reader = csv.DictReader(_utf8_lines(f, file), delimiter="\t")
-            for n, row in enumerate(reader, start=1):
-                line = reader.line_num
-                where = f"{file}: row {n} (line {line})"
-                if None in row:
-                    raise BenchmarkFormatError(f"{where}: more cells than the header has columns")
-                yield where, row
-    except csv.Error as err:
-        raise BenchmarkFormatError(f"{file}: row {n + 1} (after line {line}): not a readable TSV row ({err})") from None
-    except OSError as err:
-        raise BenchmarkFormatError(f"{file}: cannot be read ({err.strerror or err})") from None
-    finally:
-        csv.field_size_limit(old_limit)
-
-
-def _utf8_lines(f: io.BufferedReader, file: Path) -> Iterator[str]:
-    """The file's lines, line ends kept (as csv wants), decoded one by one so a bad byte is named by its line."""
-    for line_no, raw in enumerate(f, start=1):
-        try:
-            yield raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
-        except UnicodeDecodeError as err:
-            raise BenchmarkFormatError(f"{file}: line {line_no}: not UTF-8 text (bad byte at column {err.start + 1})") from None
-
-
-def _parquet_rows(file: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise ImportError(f"{file}: reading parquet needs pyarrow (pip install pyarrow); or use the TSV") from None
-    n = 0
-    try:
-        parquet = pq.ParquetFile(file)
-        for batch in parquet.iter_batches(batch_size=32):  # batches keep a multi-GB file out of memory
-            for row in batch.to_pylist():
-                n += 1
-                yield f"{file}: row {n}", row
-    except (OSError, pa.ArrowException) as err:
-        raise BenchmarkFormatError(f"{file}: row {n + 1}: not a readable parquet file ({err})") from None
-
-
-_TABLE_FILES = {
-    # The published names, then the name VLMEvalKit's ImageBaseDataset.prepare_tsv stores the file under
-    # (`$LMUData/<dataset name>.tsv`), so a VLMEvalKit user's copy is found too.
-    "hrbench4k": ("hr_bench_4k.parquet", "hr_bench_4k.tsv", "HRBench4K.tsv"),
-    "hrbench8k": ("hr_bench_8k.parquet", "hr_bench_8k.tsv", "HRBench8K.tsv"),
-    "mme_realworld_lite": ("mme_realworld_lite.tsv", "MME-RealWorld-Lite.tsv"),
-}
-_TABLE_COLUMNS = ("index", "question", "answer", "image")
-_EXTRA_COLUMNS = {"cycle_category": "cycle_category", "l2-category": "l2_category"}
-_SAFE_INDEX = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
-
-
-def _table_options(row: dict[str, Any], where: str) -> list[str]:
-    """Option texts from `multi-choice options` (a Python-literal list, or "(A) ..." lines) when the row has that
-    column, else from the A, B, ... columns (trailing empty cells dropped)."""
-    if "multi-choice options" in row:
-        text = _text_cell(row["multi-choice options"])
-        if text.startswith("["):
-            return _literal_options(text, where, "multi-choice options")
-        return _option_lines([line.strip() for line in text.splitlines()], where, "multi-choice options")[1]
-    letters = ""
-    for letter in OPTION_LETTERS:
-        if letter not in row:
-            break
-        letters += letter
-    cells = [_text_cell(row[letter]) for letter in letters]
-    while cells and not cells[-1]:
-        cells.pop()
-    for letter, cell in zip(letters, cells, strict=False):
-        if not cell:
-            raise BenchmarkFormatError(f"{where}: field '{letter}' is empty but a later option is not")
-    if len(cells) < 2:
-        raise BenchmarkFormatError(f"{where}: field '{letters[0]}': a choice question needs at least 2 options")
-    return cells
-
-
-def _image_cell(value: Any, where: str) -> bytes | str:
-    """The image bytes in a cell, or (a str) the index of another row whose image this row shares.
-
-    VLMEvalKit's TSVs store a repeated image once and put the owning row's index (64 characters at most) in the
-    other rows' cells (ImageBaseDataset.__init__).
-    """
-    if isinstance(value, dict):  # a Hugging Face Image feature in parquet: {"bytes": ..., "path": ...}
-        value = value.get("bytes")
-    if isinstance(value, (bytes, bytearray)) and value:
-        return bytes(value)
-    text = "".join(_text_cell(value).split())
-    if not text:
-        raise BenchmarkFormatError(f"{where}: field 'image' is missing or empty")
-    if len(text) <= 64:
-        return text
-    try:
-        return base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError) as err:
-        raise BenchmarkFormatError(f"{where}: field 'image': not valid base64 ({err})") from None
-
-
-def _image_extension(data: bytes, where: str) -> str:
-    from PIL import Image
-
-    try:
-        with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as image:  # the header only; formats open_image reads
-            kind = image.format or ""
-    except Exception as err:  # PIL raises many types for data that is not an image
-        raise BenchmarkFormatError(f"{where}: field 'image': decoded bytes are not an image ({err})") from None
-    return {"JPEG": "jpg", "TIFF": "tif", "JPEG2000": "jp2"}.get(kind, kind.lower())
-
-
-def _cache_image(data: bytes, target: Path, where: str) -> bool:
-    """Write `data` to `target` unless the same bytes are already there; True when it wrote."""
-    if target.is_file() and target.stat().st_size == len(data) and target.read_bytes() == data:
-        return False
-    from PIL import Image
-
-    try:  # checked when written: a cached file holding the same bytes was checked then
-        with Image.open(io.BytesIO(data)) as image:
-            image.verify()
-    except Exception as err:  # PIL raises many types for broken data
-        raise BenchmarkFormatError(f"{where}: field 'image': the image does not decode ({err})") from None
-    atomic_write_bytes(target, data)
-    return True
-
-
-def _read_base64_table(name: str, path: Path, cache_dir: Path) -> Benchmark:
-    others = tuple(f for other, files in _TABLE_FILES.items() if other != name for f in files)
-    file = _file_in(name, path, _TABLE_FILES.get(name, ()), suffixes=(".tsv", ".parquet"), not_these=others)
-    rows = _parquet_rows(file) if file.suffix.lower() == ".parquet" else _tsv_rows(file)
-    image_root = cache_dir / name
-    drafts: list[tuple[dict[str, Any], str]] = []
-    shared: list[tuple[dict[str, Any], str, str]] = []  # (draft, index it shares the image of, where)
-    image_of_index: dict[str, str] = {}
-    row_of_index: dict[str, str] = {}
-    written = 0
-    for where, row in rows:
-        missing = [c for c in _TABLE_COLUMNS if c not in row]
-        if "A" not in row and "multi-choice options" not in row:
-            missing.append("A")
-        if missing:
-            raise BenchmarkFormatError(
-                f"{file}: column(s) {', '.join(repr(c) for c in missing)} missing (columns: {', '.join(row)})"
-            )
-        index = _text_cell(row["index"])
-        if not _SAFE_INDEX.match(index):  # it becomes a file name
-            raise BenchmarkFormatError(f"{where}: field 'index': {index!r} is empty or not usable as a file name")
-        if index in row_of_index:
-            raise BenchmarkFormatError(f"{where}: field 'index': {index!r} repeats {row_of_index[index]}")
-        row_of_index[index] = where
-        where = f"{where}, index {index}"
-        options = _table_options(row, where)
-        draft: dict[str, Any] = {
-            "doc_id": f"{name}-{index}",
-            "problem": _text_cell(_required(row, "question", where)),
-            "options": options,
-            "solution": _letter(row["answer"], OPTION_LETTERS[: len(options)], where, "answer"),
-            "data_source": name,
-            "category": _text_cell(row.get("category")) or None,
-        }
-        for column, field in _EXTRA_COLUMNS.items():
-            if _text_cell(row.get(column)):
-                draft[field] = _text_cell(row[column])
-        image = _image_cell(row["image"], where)
-        if isinstance(image, str):
-            shared.append((draft, image, where))
-        else:
-            file_name = f"{index}.{_image_extension(image, where)}"
-            written += _cache_image(image, image_root / file_name, where)
-            image_of_index[index] = file_name
-            draft["images"] = [file_name]
-        drafts.append((draft, where))
-    for draft, owner, where in shared:
-        if owner not in image_of_index:
-            raise BenchmarkFormatError(
-                f"{where}: field 'image': {owner!r} is neither base64 image data nor the index of a row holding one"
-            )
-        draft["images"] = [image_of_index[owner]]
-    seen: dict[str, str] = {}
-    tasks = [_make_task(draft, where, seen, id_field="index") for draft, where in drafts]
-    log.info("benchmark %s: %d images decoded into %s (%d new)", name, len(image_of_index), image_root, written)
     return Benchmark(name, tasks, image_root)
 
 

@@ -38,41 +38,30 @@ On a GPU node set `rollout.engine: vllm`; against a served model (one model only
 
 from __future__ import annotations
 
-import os
 import argparse
 import gc
 import json
+import os
 import re
 import sys
 import time
-from collections.abc import Callable
-from contextlib import ExitStack
 from pathlib import Path
-
-from tqdm import tqdm
 
 from loupe.compare import comparison_table
 from loupe.config import (
     ParamsError,
-    ProtocolParams,
     RolloutParams,
     load_section,
     load_seed,
     params_with_overrides,
 )
-from loupe.data.benchmarks import load_benchmark
-from loupe.data.tasks import TaskRecord
 from loupe.io import atomic_write_json
-from loupe.plots import line_plot
-from loupe.rewards import LLMJudge, build_judge, score_trajectory
-from loupe.rollout import Engine, RolloutStats, make_engine, run_rollouts
-from loupe.sample_metrics import SampleRecord, summarize
+from loupe.sample_metrics import SampleRecord
 from loupe.tracking import stage_run
-from loupe.trajectory import JsonlWriter, Trajectory
-from loupe.viewer import render_html
 from stages.eval.comparison import compare, comparison_plot, turn_scaling_rows
+from stages.eval.one_model import evaluate_model, load_benchmarks
 from stages.eval.params import EvalParams
-from stages.eval.side_by_side import count_trajectory, evaluate_side_by_side, model_processes
+from stages.eval.side_by_side import evaluate_side_by_side, model_processes
 
 BARE_MODEL_NAME = "model"
 """The name of a model given as a bare `--model PATH`."""
@@ -81,10 +70,6 @@ MODEL_NAME = re.compile(r"[A-Za-z0-9_-]+")
 RESERVED_NAMES = frozenset({"plots", "benchmark_cache", "benchmark", "max_turns", "questions", "samples_per_question",
                             "chance_rate"})
 """Names a model cannot take: folders of --out, columns of plots/turn_scaling.json and keys of a benchmark's entry."""
-
-Benchmarks = list[tuple[str, list[TaskRecord], Path]]
-"""(name, tasks, image root) of every benchmark, read once for all models."""
-
 
 def parse_models(specs: list[str]) -> dict[str, Path]:
     """`NAME=PATH` or a bare `PATH` (named `model`) per --model, in order. A text whose part before the first "="
@@ -112,8 +97,8 @@ def evaluate(params_path: Path, model_path: Path, out_dir: Path, progress: bool 
     load_seed(params_path)  # a bad seed fails here, before a tracking run is opened
     params = load_section(EvalParams, "eval", params_path)
     with stage_run("eval", params={"eval": params.model_dump(mode="json"), "model": str(model_path)}) as run:
-        benchmarks = _load_benchmarks(params, out_dir / "benchmark_cache")
-        metrics, _ = _evaluate(params_path, model_path, out_dir, benchmarks, progress)
+        benchmarks = load_benchmarks(params, out_dir / "benchmark_cache")
+        metrics, _ = evaluate_model(params_path, model_path, out_dir, benchmarks, progress)
         for name, summary in metrics["benchmarks"].items():
             run.log_metrics({name: {k: v for k, v in summary.items() if k != "turn_scaling"}})
             for limit, accuracy in summary["turn_scaling"].items():
@@ -143,7 +128,7 @@ def evaluate_models(params_path: Path, models: dict[str, Path], out_dir: Path, p
     logged = {"eval": params.model_dump(mode="json"), "models": {name: str(path) for name, path in models.items()}}
     with stage_run("eval", params=logged) as run:
         started = time.perf_counter()
-        benchmarks = _load_benchmarks(params, out_dir / "benchmark_cache")
+        benchmarks = load_benchmarks(params, out_dir / "benchmark_cache")
         summaries: dict[str, dict] = {}
         records: dict[str, dict[str, list[SampleRecord]]] = {}
         trajectories = sum(len(tasks) for _, tasks, _ in benchmarks) * params.samples
@@ -154,7 +139,7 @@ def evaluate_models(params_path: Path, models: dict[str, Path], out_dir: Path, p
             if processes > 1:
                 metrics, records[name] = done[name]
             else:
-                metrics, records[name] = _evaluate(params_path, path, out_dir / name, benchmarks, progress, label=name)
+                metrics, records[name] = evaluate_model(params_path, path, out_dir / name, benchmarks, progress, label=name)
                 _release_memory()
             summaries[name] = metrics["benchmarks"]
         comparison = compare({name: str(path) for name, path in models.items()},
@@ -189,128 +174,6 @@ def _release_memory() -> None:
     torch = sys.modules.get("torch")  # never imported for an endpoint
     if torch is not None and torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-def _load_benchmarks(params: EvalParams, cache_dir: Path) -> Benchmarks:
-    """Every benchmark is read before any model is loaded: a bad path fails in seconds, not after an hour."""
-    benchmarks = []
-    for spec in params.benchmarks:
-        benchmark = load_benchmark(spec.name, spec.path, cache_dir)
-        tasks = benchmark.tasks[: spec.limit] if spec.limit else benchmark.tasks
-        benchmarks.append((spec.name, tasks, benchmark.image_root))
-    return benchmarks
-
-
-def _evaluate(params_path: Path, model_path: Path, out_dir: Path, benchmarks: Benchmarks, progress: bool,
-              label: str | None = None) -> tuple[dict, dict[str, list[SampleRecord]]]:
-    """One model on every benchmark into `out_dir`: its metrics (also written to metrics.json) and, per
-    benchmark, its scored samples. The engine is closed before this returns."""
-    seed = load_seed(params_path)
-    protocol = load_section(ProtocolParams, "protocol", params_path)
-    rollout = load_section(RolloutParams, "rollout", params_path)
-    params = load_section(EvalParams, "eval", params_path)
-    if params.temperature is not None:
-        rollout = rollout.model_copy(update={"temperature": params.temperature})
-
-    engine = make_engine(rollout, protocol, model_path=str(model_path), seed=seed)
-    judge = build_judge(params.reward)
-    metrics: dict = {"model": str(model_path), "turn_limits": params.turn_limits, "benchmarks": {}}
-    records_by_benchmark: dict[str, list[SampleRecord]] = {}
-    shown: list[Trajectory] = []
-    curves: dict[str, list[tuple[float, float | None]]] = {}
-    plot_rows: list[dict] = []
-    started = time.perf_counter()
-    # Every writer commits (renames its file into place) only when all benchmarks are done; an error anywhere
-    # discards them all, so results.jsonl and the trajectory files always come from one whole run.
-    with ExitStack() as outputs:
-        try:
-            results = outputs.enter_context(JsonlWriter(out_dir / "results.jsonl"))
-            for name, tasks, image_root in benchmarks:
-                run = _BenchmarkRun(name, params, rollout, protocol, engine, judge, results, shown, label)
-                writer = outputs.enter_context(JsonlWriter(out_dir / "trajectories" / f"{name}.jsonl"))
-                records = run.run(tasks, image_root, writer, progress)
-                summary = summarize(records, params.turn_limits)
-                metrics["benchmarks"][name] = summary
-                records_by_benchmark[name] = records
-                curves[name] = [(int(limit), acc) for limit, acc in summary["turn_scaling"].items()]
-                plot_rows += [{"benchmark": name, "max_turns": x, "accuracy": y} for x, y in curves[name]]
-        finally:
-            engine.close()
-    metrics["seconds"] = round(time.perf_counter() - started, 2)
-
-    atomic_write_json(out_dir / "plots" / "turn_scaling.json", plot_rows)
-    line_plot(curves, out_dir / "plots" / "turn_scaling.png", "Accuracy vs turn limit", "turn limit", "accuracy", log2_x=True)
-    render_html(shown, out_dir / "viewer.html", title=f"Eval of {model_path}")
-    atomic_write_json(out_dir / "metrics.json", metrics)
-    return metrics, records_by_benchmark
-
-
-class _BenchmarkRun:
-    """One benchmark's questions, a chunk at a time: roll out, score, write, keep only the per-sample records."""
-
-    def __init__(
-        self,
-        name: str,
-        params: EvalParams,
-        rollout: RolloutParams,
-        protocol: ProtocolParams,
-        engine: Engine,
-        judge: LLMJudge | None,
-        results: JsonlWriter,
-        shown: list[Trajectory],
-        label: str | None = None,
-    ):
-        self.name, self.params, self.rollout, self.protocol = name, params, rollout, protocol
-        self.engine, self.judge, self.results, self.shown = engine, judge, results, shown
-        self.desc = f"eval {label} {name}" if label else f"eval {name}"
-
-    def run(self, tasks: list[TaskRecord], image_root: Path, writer: JsonlWriter, progress: bool) -> list[SampleRecord]:
-        records: list[SampleRecord] = []
-        stats = RolloutStats()
-        # One bar over the whole benchmark, fed as each trajectory ends, whatever the chunking.
-        with tqdm(total=len(tasks) * self.params.samples, desc=self.desc, unit="traj", disable=not progress) as bar:
-            started = time.perf_counter()
-
-            def finished(trajectory: Trajectory) -> None:
-                # Eval never reads the token trace; dropping it at once frees its processed pixel tensors.
-                trajectory.trace = None
-                bar.update(1)
-                count_trajectory()  # the parent's bar when models run side by side
-                elapsed = max(time.perf_counter() - started, 1e-9)
-                bar.set_postfix(turns=stats.turns, tok_s=f"{stats.generated_tokens / elapsed:.0f}", refresh=False)
-
-            size = self.params.chunk_size
-            for start in range(0, len(tasks), size):
-                records += self._chunk(tasks[start : start + size], image_root, writer, stats, finished)
-        return records
-
-    def _chunk(
-        self,
-        tasks: list[TaskRecord],
-        image_root: Path,
-        writer: JsonlWriter,
-        stats: RolloutStats,
-        finished: Callable[[Trajectory], None],
-    ) -> list[SampleRecord]:
-        """Run, score and write one chunk; its trajectories die with this call, but for the viewer's share."""
-        trajectories = run_rollouts(
-            tasks,
-            self.engine,
-            self.protocol,
-            image_root,
-            samples_per_task=self.params.samples,
-            max_turns=self.params.max_turns,
-            max_new_tokens=self.rollout.max_new_tokens,
-            stats=stats,
-            on_finish=finished,
-        )
-        for trajectory in trajectories:
-            score_trajectory(trajectory, self.params.reward, self.judge)
-        writer.write_trajectories(trajectories)  # saves the crops to files, so the viewer's share holds none
-        records = [SampleRecord.of(t) for t in trajectories]
-        self.results.write_rows(r.row(self.name) for r in records)
-        self.shown += trajectories[: max(0, self.params.viewer_trajectories - len(self.shown))]
-        return records
 
 
 def _summary_lines(metrics: dict, prefix: str = "") -> list[str]:

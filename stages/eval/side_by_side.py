@@ -2,7 +2,7 @@
 
 On a CPU the transformers engine's small matrices use a second thread poorly: the default's eval rolled out
 0.098 s a trajectory at two threads and 0.053 s with two models in two processes at one thread each (2 cores,
-docs/speed.md, "What was removed"). Each model's evaluation (`stages.eval.__main__._evaluate`) is
+docs/speed.md, "What was removed"). Each model's evaluation (`stages.eval.one_model.evaluate_model`) is
 independent: its own engine, sampling from its own generator seeded with the run's seed, into its own folder.
 Forward passes give the same bits at one thread as at two on the pinned kernels, so a model's files are the
 same, byte for byte, whether it ran alone or beside the others (tests/test_eval_compare.py).
@@ -24,9 +24,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-_COUNTER: Any = None
-"""The parent's shared count of finished trajectories, in a child process (None elsewhere)."""
-
+from stages.eval.one_model import evaluate_model, set_progress_counter
 
 MIN_TRAJECTORIES = 100
 """Trajectories a model must have for `model_processes: null` to run the models side by side: a spawned process
@@ -47,16 +45,8 @@ def model_processes(setting: int | None, engine: str, device: str, models: int, 
     return models if resolve_device(device) == "cpu" else 1
 
 
-def count_trajectory() -> None:
-    """One trajectory finished, in a child: the parent's bar moves."""
-    if _COUNTER is not None:
-        with _COUNTER.get_lock():
-            _COUNTER.value += 1
-
-
 def _start_child(counter: Any, parent: int) -> None:
-    global _COUNTER
-    _COUNTER = counter
+    set_progress_counter(counter)
     # A stage killed outright (SIGKILL, or SIGTERM to it alone) must not leave its models computing: the child
     # gets SIGTERM when the parent dies (Linux's PR_SET_PDEATHSIG, as stages/sft/runner.py sets for
     # LLaMA-Factory), and stops at once if the parent is already gone.
@@ -72,9 +62,7 @@ def _start_child(counter: Any, parent: int) -> None:
 
 
 def _evaluate_child(params_path: Path, model_path: Path, out_dir: Path, benchmarks: list, label: str) -> tuple:
-    from stages.eval.__main__ import _evaluate
-
-    return _evaluate(params_path, model_path, out_dir, benchmarks, False, label=label)
+    return evaluate_model(params_path, model_path, out_dir, benchmarks, False, label=label)
 
 
 def evaluate_side_by_side(params_path: Path, models: dict[str, Path], out_dir: Path, benchmarks: list,
