@@ -29,7 +29,7 @@ from pydantic import (
     model_validator,
 )
 
-from loupe.tools import IMAGE_FACTOR, PixelBudget
+from loupe.tools import IMAGE_FACTOR, QWEN_PROCESSOR_PIXELS, PixelBudget
 
 
 class Section(BaseModel):
@@ -87,6 +87,11 @@ class ProtocolParams(Section):
     """Images a dialogue may hold (the question's included); a call past it ends the trajectory as over_turn."""
     max_context_tokens: int = Field(8192, ge=64)
     """Tokens a dialogue may hold; a turn that could overflow it ends the trajectory as over_turn."""
+    model_len: int | None = Field(None, ge=64)
+    """The engine's context length (vLLM's `max_model_len`): a turn's new tokens are capped at what is left of
+    it, so a late turn can be cut (end reason `length`) before `max_new_tokens` (Mini-o3 and DeepEyes: 32,768:
+    Mini-o3's vllm_async_engine.py:306-307, DeepEyes' vllm_rollout_spmd.py:146). None: no cap but
+    `max_new_tokens` (the turn still starts only within `max_context_tokens`)."""
     format_error_retries: int = Field(1, ge=0)
     """The malformed-turn policy: error turns given back after malformed turns (or refused tool calls) before
     the trajectory ends as format_error. 0 ends at the first; a number at least `max_turns` answers every one
@@ -120,22 +125,49 @@ class ProtocolParams(Section):
     crop_padding: float = Field(0.0, ge=0.0, lt=1.0)
     """Widens every box on each side by this fraction of its source before the cut, then clamps it
     (Pixel-Reasoner: 0.1)."""
-    crop_cut: Literal["composed", "whole_pixels", "shown"] = "composed"
+    crop_cut: Literal["composed", "whole_pixels", "shown", "rounded"] = "composed"
     """Whose pixels a crop is cut from (`loupe.tools.crop`): `composed` (Loupe: boxes composed in floats onto
     the full-resolution original, rounded outwards once), `whole_pixels` (Mini-o3: each observation kept at
     full resolution as cut, each box truncated to whole pixels with its far edge trimmed, level after level) or
     `shown` (Pixel-Reasoner: cut from the image as the model was shown it, the original resized into the budget
-    and each crop as shown)."""
-    turn_reading: Literal["first_call", "deepeyes"] = "first_call"
+    and each crop as shown) or `rounded` (DeepEyes: cut from the full-resolution source, each coordinate rounded
+    as PIL's `Image.crop` rounds it, half to even; visual_toolbox_v2.py:87)."""
+    crop_box_checks: Literal["cut", "box"] = "cut"
+    """What `min_crop_side` and `max_crop_aspect` are checked on: the cut in whole pixels (`cut`), or the clamped
+    box in floats before it is rounded (`box`: DeepEyes' `validate_bbox`, visual_toolbox_v2.py:129-139,147-148,
+    where a side must be above 30 px, so [10.5, 10.5, 40.5, 40.5] is refused; a side must then exceed
+    `min_crop_side` - 1)."""
+    max_crop_aspect: float = Field(200.0, ge=1.0)
+    """The most elongated box a crop may be, longer side over shorter (DeepEyes: 100, visual_toolbox_v2.py:135)."""
+    turn_reading: Literal["first_call", "deepeyes", "mini_o3"] = "first_call"
     """How a turn with tool calls is generated and read: `first_call` (Loupe, Mini-o3) stops generation at a
     call's closing tag and reads that call, a call beside an answer being an error turn; `deepeyes` generates to
     the end of the turn with no stop string (parallel_env.py:121-126, ppo_trainer.yaml:128 `custom_stop: []`),
     a non-empty last `<answer>` ends the episode and no call runs, else the last call is read
-    (visual_toolbox_v2.py:26-28,43-44,60-65)."""
+    (visual_toolbox_v2.py:26-28,43-44,60-65), an empty last call ending it too and argument keys its tool does not
+    read being ignored (:63-65,75-81); `mini_o3` stops at the call's closing tag like `first_call`, but a turn
+    holding a call span is a call whatever else it holds (an `<answer>` beside it included: the call runs), and the
+    call is read as Mini-o3 reads it (vllm_async_engine.py:523-526, function_tools.py:30-50): its pattern
+    `.*<grounding>{"bbox_2d": (.*),.*"source": [',"](.*)[',"]}</grounding>`, the box evaluated as Python
+    arithmetic (never run as code: `loupe.protocol.box_expression`), a source name matched by its
+    `observation_N` prefix."""
     crop_resample: Literal["bicubic", "mini_o3"] = "bicubic"
     """How a crop is resized for the model (`loupe.tools.fit_crop`): `bicubic`, straight to Qwen's size for the
     budget; `mini_o3`, Mini-o3's `process_image` first (NEAREST into [min_pixels, max_pixels], small sides up to
-    28 px; vllm_async_engine.py:189-223,551), then the processor's bicubic resize of that."""
+    28 px; vllm_async_engine.py:189-223,551), then the processor's bicubic resize of that within the processor's
+    own bounds (`processor_min_pixels`, `processor_max_pixels`; `:433`, verl/workers/actor/dp_actor.py:262)."""
+    image_resample: Literal["bicubic", "mini_o3"] = "bicubic"
+    """How the question's image is resized for the model: `bicubic`, straight to Qwen's size for the budget
+    (`smart_resize`); `mini_o3`, Mini-o3's dataset `process_image` first (LANCZOS into [min_pixels, max_pixels]
+    with whole sides, no grid; verl/utils/dataset/multimodal_dataset.py:79-113,231-238), then the processor's
+    resize of that within the processor's own bounds (`processor_min_pixels`, `processor_max_pixels`)."""
+    processor_min_pixels: int | None = Field(None, gt=0)
+    """The smallest area the model's image processor resizes to. None: the processor's own, read by the engine
+    that runs the model (Qwen2.5-VL's: 3,136; without a model, that). Only the `mini_o3` resamplings use it: there
+    the processor's resize follows Mini-o3's own, within the processor's bounds, not [min_pixels, max_pixels]."""
+    processor_max_pixels: int | None = Field(None, gt=0)
+    """The largest area the model's image processor resizes to; None: the processor's own (Qwen2.5-VL's:
+    12,845,056). Read with `processor_min_pixels`."""
     call_at_limit: Literal["parsed", "matched"] = "parsed"
     """A turn that calls a tool when no turn or image is left: over-turn when its call parses, a malformed one a
     format error (`parsed`); or over-turn whenever it holds a complete call span, parsed or not (`matched`:
@@ -169,7 +201,7 @@ class ProtocolParams(Section):
     _template_text: str | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
-    def _budget_is_consistent(self) -> "ProtocolParams":
+    def _budget_is_consistent(self) -> ProtocolParams:
         self.budget  # raises ValueError on a bad pair
         from loupe.protocol import PROTOCOLS
 
@@ -178,7 +210,7 @@ class ProtocolParams(Section):
         return self
 
     @model_validator(mode="after")
-    def _turn_templates_fit(self) -> "ProtocolParams":
+    def _turn_templates_fit(self) -> ProtocolParams:
         for name, fields in (("observation_template", {"image": "<image>", "index": 1, "width": 1, "height": 1}),
                              ("error_template", {"error": "x"})):
             text = getattr(self, name)
@@ -194,7 +226,7 @@ class ProtocolParams(Section):
         return self
 
     @model_validator(mode="after")
-    def _template_is_readable(self) -> "ProtocolParams":
+    def _template_is_readable(self) -> ProtocolParams:
         if self.prompt_template is None:
             return self
         from loupe.protocol import read_template
@@ -209,17 +241,25 @@ class ProtocolParams(Section):
 
     @property
     def budget(self) -> PixelBudget:
-        return PixelBudget(self.min_pixels, self.max_pixels, self.min_crop_side, self.crop_min_pixels,
-                           self.crop_max_pixels, self.crop_padding, self.crop_cut, self.crop_resample,
-                           self.image_factor or IMAGE_FACTOR)
+        return self._budget(self.max_pixels)
 
     def frame_budget(self, frames: int) -> PixelBudget:
         """The pixel budget of each of a video task's `frames` frames (`video_max_pixels` shared among them)."""
         if self.video_max_pixels is None:
             return self.budget
-        share = max(self.min_pixels, min(self.max_pixels, self.video_max_pixels // max(frames, 1)))
-        return PixelBudget(self.min_pixels, share, self.min_crop_side, self.crop_min_pixels, self.crop_max_pixels,
-                           self.crop_padding, self.crop_cut, self.crop_resample, self.image_factor or IMAGE_FACTOR)
+        return self._budget(max(self.min_pixels, min(self.max_pixels, self.video_max_pixels // max(frames, 1))))
+
+    def _budget(self, max_pixels: int) -> PixelBudget:
+        processor = None
+        if self.processor_min_pixels is not None or self.processor_max_pixels is not None:
+            processor = (self.processor_min_pixels or QWEN_PROCESSOR_PIXELS[0],
+                         self.processor_max_pixels or QWEN_PROCESSOR_PIXELS[1])
+        return PixelBudget(
+            self.min_pixels, max_pixels, self.min_crop_side, self.crop_min_pixels, self.crop_max_pixels,
+            self.crop_padding, self.crop_cut, self.crop_resample, self.image_factor or IMAGE_FACTOR,
+            image_resample=self.image_resample, processor_pixels=processor, crop_box_checks=self.crop_box_checks,
+            max_crop_aspect=self.max_crop_aspect,
+        )
 
 
 class OpenAIEndpointParams(Section):

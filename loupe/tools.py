@@ -27,23 +27,33 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from PIL import Image
 from pydantic import BaseModel, ValidationError
 
-from loupe.images import DEFAULT_MAX_DECODE_PIXELS, MAX_ASPECT_RATIO, ImageError, open_image  # noqa: F401 (re-exported)
+from loupe.images import (  # noqa: F401 (re-exported)
+    DEFAULT_MAX_DECODE_PIXELS,
+    MAX_ASPECT_RATIO,
+    ImageError,
+    open_image,
+)
 from loupe.protocol import ORIGINAL_IMAGE, ToolCall
 
 IMAGE_FACTOR = 28
 """Qwen2.5-VL's patch (14) times its spatial merge (2): the grid when no model says otherwise (a teacher without
 a model); an engine's model gives its own (`PixelBudget.factor`, loupe.models.family)."""
+QWEN_PROCESSOR_PIXELS = (3136, 12_845_056)
+"""Qwen2.5-VL's image processor's own bounds (4 x 28 x 28 to 16,384 x 28 x 28 pixels, its
+preprocessor_config.json's `min_pixels`, `max_pixels`): what its processor resizes into when no model says
+otherwise (`PixelBudget.processor_pixels`)."""
 
 
-CROP_CUTS = ("composed", "whole_pixels", "shown")
+CROP_CUTS = ("composed", "whole_pixels", "shown", "rounded")
 CROP_RESAMPLES = ("bicubic", "mini_o3")
 """How a crop is resized for the model (`protocol.crop_resample`, `fit_crop`)."""
 """How a crop's pixels are cut (`PixelBudget.crop_cut`); the `crop` docstring says what each does."""
@@ -74,6 +84,15 @@ class PixelBudget:
     factor: int = IMAGE_FACTOR
     """The model's grid (patch x merge): every side an image is shown at is a multiple of it, as its processor
     would resize it, so the processor never resizes it again."""
+    image_resample: str = "bicubic"
+    """How the question's image is resized for the model: `bicubic` or `mini_o3` (`fit_image`)."""
+    processor_pixels: tuple[int, int] | None = None
+    """(min, max) area the model's image processor resizes into; None: Qwen2.5-VL's (`QWEN_PROCESSOR_PIXELS`).
+    The `mini_o3` resamplings end with the processor's resize within these bounds."""
+    crop_box_checks: str = "cut"
+    """Whether `min_crop_side` and `max_crop_aspect` are checked on the cut (`cut`) or the float box (`box`)."""
+    max_crop_aspect: float = MAX_ASPECT_RATIO
+    """The most elongated a crop may be, longer side over shorter (DeepEyes: 100)."""
 
     def __post_init__(self) -> None:
         if not 0 < self.min_pixels <= self.max_pixels:
@@ -90,13 +109,24 @@ class PixelBudget:
             raise ValueError(f"crop_cut must be one of {', '.join(CROP_CUTS)}, got {self.crop_cut!r}")
         if self.crop_resample not in CROP_RESAMPLES:
             raise ValueError(f"crop_resample must be one of {', '.join(CROP_RESAMPLES)}, got {self.crop_resample!r}")
+        if self.image_resample not in CROP_RESAMPLES:
+            raise ValueError(f"image_resample must be one of {', '.join(CROP_RESAMPLES)}, got {self.image_resample!r}")
+        if self.crop_box_checks not in ("cut", "box"):
+            raise ValueError(f"crop_box_checks must be cut or box, got {self.crop_box_checks!r}")
+        if self.processor_pixels is not None and not 0 < self.processor_pixels[0] <= self.processor_pixels[1]:
+            raise ValueError(f"the processor's pixel bounds need 0 < min <= max, got {self.processor_pixels}")
 
     def for_crops(self) -> PixelBudget:
         """The budget a crop is resized into: this one, with the crops' own area limits where set."""
         if self.crop_min_pixels is None and self.crop_max_pixels is None:
             return self
         return PixelBudget(self.crop_min_pixels or self.min_pixels, self.crop_max_pixels or self.max_pixels,
-                           self.min_crop_side, factor=self.factor)
+                           self.min_crop_side, factor=self.factor, processor_pixels=self.processor_pixels)
+
+    def for_processor(self) -> PixelBudget:
+        """The budget of the model's processor itself (`processor_pixels`), on the same grid."""
+        low, high = self.processor_pixels or QWEN_PROCESSOR_PIXELS
+        return PixelBudget(low, high, factor=self.factor)
 
 
 def smart_resize(height: int, width: int, budget: PixelBudget, factor: int | None = None) -> tuple[int, int]:
@@ -133,13 +163,26 @@ def fit_to_budget(image: Image.Image, budget: PixelBudget) -> Image.Image:
     return image if image.size == (width, height) else image.resize((width, height), Image.Resampling.BICUBIC)
 
 
-def mini_o3_resize(image: Image.Image, budget: PixelBudget) -> Image.Image:
+def fit_image(image: Image.Image, budget: PixelBudget) -> Image.Image:
+    """A question's image as the model is shown it, by `budget.image_resample`: `bicubic` resizes it straight into
+    the budget (`fit_to_budget`); `mini_o3` first runs Mini-o3's dataset `process_image` (LANCZOS into
+    [min_pixels, max_pixels] with whole sides; verl/utils/dataset/multimodal_dataset.py:79-113), then the
+    processor's resize of that result within the processor's own bounds, as Mini-o3's trainer shows it (:231-238)."""
+    if budget.image_resample != "mini_o3":
+        return fit_to_budget(image, budget)
+    return fit_to_budget(mini_o3_resize(image, budget, Image.Resampling.LANCZOS), budget.for_processor())
+
+
+def mini_o3_resize(image: Image.Image, budget: PixelBudget,
+                   resample: Image.Resampling = Image.Resampling.NEAREST) -> Image.Image:
     """Mini-o3's `process_image` (verl/workers/rollout/vllm_rollout/vllm_async_engine.py:189-223), which its
     engine applies to every crop (`:551`) before the processor sees it: NEAREST throughout, the area scaled by a
     square root into [min_pixels, max_pixels] with `int()` sides, a side under 28 px scaled up to 28 (+1), an
     aspect of 200 or more squeezed to 190. Its output is not on Qwen's 28-px grid; the processor's own resize
-    (bicubic, `smart_resize`) follows, in `fit_crop`."""
-    nearest = Image.Resampling.NEAREST
+    (bicubic, `smart_resize`) follows, in `fit_crop`. The question's image goes through the dataset's own
+    `process_image` (multimodal_dataset.py:79-113): the same two area steps with `resample` LANCZOS, and an
+    assertion, not a fix, for a side under 28 px (there the fix below is never reached for real images)."""
+    nearest = resample
     if image.width * image.height > budget.max_pixels:
         factor = math.sqrt(budget.max_pixels / (image.width * image.height))
         image = image.resize((int(image.width * factor), int(image.height * factor)), resample=nearest)
@@ -159,10 +202,12 @@ def mini_o3_resize(image: Image.Image, budget: PixelBudget) -> Image.Image:
 def fit_crop(region: Image.Image, budget: PixelBudget) -> Image.Image:
     """A cut region as the model is shown it, by `budget.crop_resample`: `bicubic` resizes it straight into the
     crops' budget (`fit_to_budget`); `mini_o3` first runs Mini-o3's NEAREST `process_image` (`mini_o3_resize`),
-    then the processor's resize of that result, as Mini-o3's rollout shows a crop."""
+    then the processor's resize of that result within the processor's own bounds (Qwen2.5-VL's: 3,136 to
+    12,845,056 pixels), as Mini-o3's rollout shows a crop (vllm_async_engine.py:433,551; dp_actor.py:262): a
+    20 x 15 crop becomes 230 x 173, then 224 x 168."""
     crops = budget.for_crops()
     if budget.crop_resample == "mini_o3":
-        region = mini_o3_resize(region, crops)
+        return fit_to_budget(mini_o3_resize(region, crops), budget.for_processor())
     return fit_to_budget(region, crops)
 
 
@@ -253,7 +298,7 @@ class ImageSession:
             original = self._original()
             if original is None:
                 return None
-            self.shown_original = fit_to_budget(original, budget)
+            self.shown_original = fit_image(original, budget)
         return self.shown_original
 
     def region(self, source: str) -> tuple[float, float, float, float] | None:
@@ -338,9 +383,13 @@ def crop(session: ImageSession, arguments: dict[str, Any], budget: PixelBudget) 
       curiosity_driven_rl/openrlhf/trainer/ppo_utils/experience_maker.py): the box is cut, rounded to whole
       pixels as PIL's `Image.crop` rounds, from the image as the model was shown it (the original resized into
       the budget, an observation as it was shown), so a crop holds no detail its source did not show.
+    - `rounded` (DeepEyes: `Image.crop(bbox)` on the original in visual_toolbox_v2.py:87): the box is cut from
+      the source at full resolution, each coordinate rounded as PIL rounds it (half to even).
 
     Then the cut's shorter side must reach `budget.min_crop_side`, and its aspect ratio stay within
-    `MAX_ASPECT_RATIO`.
+    `budget.max_crop_aspect`; with `budget.crop_box_checks: box` both are checked on the clamped box in floats
+    before any rounding instead, a side having to exceed `min_crop_side` - 1 (DeepEyes' `validate_bbox`,
+    visual_toolbox_v2.py:129-139: above 30 px, with `min_crop_side` 31).
     """
     box = _as_box(arguments.get("bbox_2d"))
     if box is None:
@@ -371,6 +420,10 @@ def crop(session: ImageSession, arguments: dict[str, Any], budget: PixelBudget) 
     x0, x1 = (min(max(v, 0.0), float(width)) for v in (x0, x1))
     y0, y1 = (min(max(v, 0.0), float(height)) for v in (y0, y1))
     kx, ky = (rx1 - rx0) / width, (ry1 - ry0) / height
+    if budget.crop_box_checks == "box":
+        refused = _box_refusal(x1 - x0, y1 - y0, budget)
+        if refused is not None:
+            return refused
     if budget.crop_cut == "whole_pixels":
         bx0, by0 = int(x0), int(y0)
         bx1, by1 = min(int(x1), width - 1), min(int(y1), height - 1)
@@ -381,12 +434,12 @@ def crop(session: ImageSession, arguments: dict[str, Any], budget: PixelBudget) 
         right, bottom = round(rx0) + bx1, round(ry0) + by1
         composed = (float(left), float(top), float(right), float(bottom))
         box_px = (bx0, by0, bx1, by1)
-    elif budget.crop_cut == "shown":
-        # PIL's Image.crop rounds a float box (round half to even), as Pixel-Reasoner's call relies on.
+    elif budget.crop_cut in ("shown", "rounded"):
+        # PIL's Image.crop rounds a float box (round half to even), as Pixel-Reasoner's and DeepEyes' calls rely on.
         bx0, by0, bx1, by1 = round(x0), round(y0), round(x1), round(y1)
         if bx1 - bx0 < 1 or by1 - by0 < 1:
-            return ToolError(ToolErrorKind.DEGENERATE_BOX,
-                             f"the box covers less than one pixel of the {width}x{height} image shown")
+            seen = "image shown" if budget.crop_cut == "shown" else "source"
+            return ToolError(ToolErrorKind.DEGENERATE_BOX, f"the box covers less than one pixel of the {width}x{height} {seen}")
         composed = (rx0 + bx0 * kx, ry0 + by0 * ky, rx0 + bx1 * kx, ry0 + by1 * ky)
         left, top, right, bottom = round_outwards(composed)
         box_px = (bx0, by0, bx1, by1)
@@ -402,13 +455,13 @@ def crop(session: ImageSession, arguments: dict[str, Any], budget: PixelBudget) 
     cut_w, cut_h = ((box_px[2] - box_px[0], box_px[3] - box_px[1]) if budget.crop_cut == "shown"
                     else (right - left, bottom - top))
     where = "of the image shown" if budget.crop_cut == "shown" else "of the original"
-    if min(cut_w, cut_h) < budget.min_crop_side:
+    if budget.crop_box_checks == "cut" and min(cut_w, cut_h) < budget.min_crop_side:
         return ToolError(ToolErrorKind.DEGENERATE_BOX, f"the box is {cut_w}x{cut_h} px {where}; both sides "
                                                        f"must be at least {budget.min_crop_side} px")
-    if max(cut_w, cut_h) / min(cut_w, cut_h) > MAX_ASPECT_RATIO:
+    if budget.crop_box_checks == "cut" and max(cut_w, cut_h) / min(cut_w, cut_h) > budget.max_crop_aspect:
         return ToolError(
             ToolErrorKind.DEGENERATE_BOX,
-            f"the box is {cut_w}x{cut_h} px, more elongated than {MAX_ASPECT_RATIO}:1",
+            f"the box is {cut_w}x{cut_h} px, more elongated than {budget.max_crop_aspect:g}:1",
         )
     crops = budget.for_crops()
     new_h, new_w = smart_resize(cut_h, cut_w, crops)
@@ -426,6 +479,18 @@ def crop(session: ImageSession, arguments: dict[str, Any], budget: PixelBudget) 
     region = fit_crop(region, budget)
     return CropResult(image=region, source=source, box_px=box_px, region=composed,
                       region_px=(left, top, right, bottom), base=base)
+
+
+def _box_refusal(width: float, height: float, budget: PixelBudget) -> ToolError | None:
+    """DeepEyes' `validate_bbox` on a clamped float box (`crop_box_checks: box`): both sides above
+    `min_crop_side` - 1 px and the longer at most `max_crop_aspect` times the shorter; None when it passes."""
+    if min(width, height) <= budget.min_crop_side - 1:
+        return ToolError(ToolErrorKind.DEGENERATE_BOX, f"the box is {width:g}x{height:g} px; both sides must be "
+                                                       f"above {budget.min_crop_side - 1} px")
+    if max(width, height) / min(width, height) > budget.max_crop_aspect:
+        return ToolError(ToolErrorKind.DEGENERATE_BOX, f"the box is {width:g}x{height:g} px, more elongated than "
+                                                       f"{budget.max_crop_aspect:g}:1")
+    return None
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from functools import cache
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from PIL import Image
@@ -89,6 +89,10 @@ class RotateArguments(_Arguments):
     angle: float = Field(ge=-360.0, le=360.0)
     """Degrees counter-clockwise."""
     source: str = ORIGINAL_IMAGE
+    canvas: Literal["grown", "kept"] = "grown"
+    """`grown`: the canvas grows to hold the whole turned image, white corners, bicubic (Loupe's); `kept`: PIL's
+    `Image.rotate(angle)` as DeepEyes' `image_rotate_tool` calls it, the image's own size, black corners,
+    nearest neighbour (visual_toolbox_v2.py:90-95)."""
 
 
 class SelectFramesArguments(_Arguments):
@@ -271,7 +275,10 @@ def rotate(session: ImageSession, args: RotateArguments, budget: PixelBudget) ->
     image = source_pixels(session, args.source)
     if image is None:
         return _unknown_source(args.source)
-    turned = image.rotate(args.angle, resample=Image.Resampling.BICUBIC, expand=True, fillcolor=(255, 255, 255))
+    if args.canvas == "kept":
+        turned = image.rotate(args.angle)
+    else:
+        turned = image.rotate(args.angle, resample=Image.Resampling.BICUBIC, expand=True, fillcolor=(255, 255, 255))
     return ToolResult(images=(NewImage(_for_crops(turned, budget), turned),),
                       record={"source": args.source, "angle": args.angle, "size": list(turned.size)})
 

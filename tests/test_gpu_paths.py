@@ -11,7 +11,7 @@ import torch
 
 from loupe.rollout import kv_batch
 from loupe.rollout.vllm_engine import VLLMEngine
-from stages.rl.learner import move_optimizer_state
+from stages.rl.optimizer import move_optimizer_state
 
 
 def test_a_masked_grouped_call_hands_the_grouped_heads_to_sdpa_and_matches_repeated_heads(monkeypatch):

@@ -82,7 +82,9 @@ def test_a_box_past_the_edge_is_clamped_and_cut_as_in_mini_o3(tmp_path):
 
 def test_a_crop_is_resized_as_mini_o3s_process_image_then_the_processor_do():
     """vllm_async_engine.py:189-223,551: area scaled by sqrt into [min, max] with int() sides, NEAREST; a side
-    under 28 px scaled up to 28 (+1); the processor then resizes (bicubic) to its smart_resize."""
+    under 28 px scaled up to 28 (+1); the processor then resizes (bicubic) to its smart_resize within its own
+    bounds (Qwen2.5-VL's 3,136 to 12,845,056 pixels: `:433`, dp_actor.py:262), not [40,000, 2,000,000]. Until
+    issue 54 the second step used the protocol's bounds and gave 252 x 196 here."""
     budget = PixelBudget(40_000, 2_000_000)
     colours = [(255, 0, 0), (0, 0, 255)]
     region = Image.new("RGB", (20, 15))
@@ -91,7 +93,7 @@ def test_a_crop_is_resized_as_mini_o3s_process_image_then_the_processor_do():
     assert nearest.size == (230, 173)  # int(20 x 11.547), int(15 x 11.547): sqrt(40000 / 300)
     assert {c for _, c in nearest.getcolors(1 << 16)} <= set(colours)  # NEAREST makes no new colour
     mini_o3 = PixelBudget(40_000, 2_000_000, crop_resample="mini_o3")
-    assert fit_crop(region, mini_o3).size == (252, 196)  # the processor's smart_resize of 230 x 173
+    assert fit_crop(region, mini_o3).size == (224, 168)  # the processor's smart_resize of 230 x 173: 48 tokens
     assert fit_crop(region, mini_o3).tobytes() != fit_crop(region, budget).tobytes()
     thin = mini_o3_resize(Image.new("RGB", (400, 5)), PixelBudget(784, 2_000_000))
     assert thin.height >= 28  # 400 x 5 < 784: scaled by sqrt to 396 x 4, then the short side up past 28

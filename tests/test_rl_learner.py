@@ -337,7 +337,7 @@ def test_a_trace_whose_image_pads_do_not_match_the_learners_processor_is_refused
 def test_the_learning_rate_follows_a_cosine_with_warmup_and_a_floor_and_resumes_where_it_was():
     """OpenRLHF's schedule (cosine_with_min_lr, min 0.1 x lr, warm-up 3% of steps) over steps x ppo_epochs x
     mini_batches optimiser steps, and a schedule rebuilt for a resumed run at the optimiser's step count."""
-    from stages.rl.learner import lr_scheduler
+    from stages.rl.optimizer import lr_scheduler
 
     params = _params(lr=1e-3, steps=25, mini_batches=4, lr_schedule="cosine", warmup_ratio=0.03, min_lr_ratio=0.1)
     weight = torch.nn.Parameter(torch.zeros(2))

@@ -104,6 +104,8 @@ class Family:
     projectors: tuple[str, ...] = ()
     lora_targets: tuple[str, ...] = ATTENTION_PROJECTIONS + DENSE_MLP_PROJECTIONS
     known: bool = True
+    vocab_size: int | None = None
+    """Rows of the text model's embedding (config.json's `vocab_size`): ids past the tokenizer's are never sampled."""
 
     @property
     def image_factor(self) -> int:
@@ -153,14 +155,15 @@ def read_family(model_dir: str | Path) -> Family:
         kinds = _kinds(text)
     except ModelFamilyError as err:
         raise ModelFamilyError(f"{where}: {err}") from None
+    vocab = text.get("vocab_size") if isinstance(text.get("vocab_size"), int) else None
     known = KNOWN.get(name)
     if known is None:
-        return Family(name, patch, merge, kinds, markers, None, known=False)
+        return Family(name, patch, merge, kinds, markers, None, known=False, vocab_size=vocab)
     template = _chat_template(model_dir)
     thinking = "<think>" in template and "enable_thinking" in template
     return Family(name, patch, merge, kinds, markers,
                   known.thinking_template if thinking else known.llamafactory_template,
-                  projectors=known.projectors, lora_targets=known.lora_targets)
+                  projectors=known.projectors, lora_targets=known.lora_targets, vocab_size=vocab)
 
 
 def _kinds(text: dict[str, Any]) -> tuple[str, ...]:
@@ -206,6 +209,17 @@ def processor_grid(processor: Any) -> int | None:
     images = getattr(processor, "image_processor", None)
     patch, merge = getattr(images, "patch_size", None), getattr(images, "merge_size", None)
     return patch * merge if isinstance(patch, int) and isinstance(merge, int) else None
+
+
+def processor_pixels(processor: Any) -> tuple[int, int] | None:
+    """(min, max) image area a loaded processor's image processor resizes into (its `size`'s `shortest_edge` and
+    `longest_edge`, which Qwen's processors read as pixel counts, or its `min_pixels`, `max_pixels`), or None."""
+    images = getattr(processor, "image_processor", None)
+    size = getattr(images, "size", None)
+    size = size if isinstance(size, dict) else dict(size) if hasattr(size, "keys") else {}
+    low = size.get("shortest_edge", getattr(images, "min_pixels", None))
+    high = size.get("longest_edge", getattr(images, "max_pixels", None))
+    return (low, high) if isinstance(low, int) and isinstance(high, int) and 0 < low <= high else None
 
 
 EXPERTS_TRANSPOSED_ON_DISK = ("qwen3_vl_moe",)

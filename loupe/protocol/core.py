@@ -14,13 +14,9 @@ import math
 import re
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
-from loupe.data.tasks import IMAGE_PLACEHOLDER, OPTION_LETTERS, TaskRecord  # noqa: F401 (IMAGE_PLACEHOLDER re-exported)
-
-if TYPE_CHECKING:
-    pass
-
+from loupe.data.tasks import IMAGE_PLACEHOLDER, OPTION_LETTERS, TaskRecord
 
 ORIGINAL_IMAGE = "original_image"
 
@@ -115,8 +111,8 @@ class _Invalid(Exception):
         self.error = FormatError(kind, clip_text(detail))
 
 
-_THINK = re.compile(r"<think>(.*?)</think>", re.S)
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
+_THINK = re.compile(r"<think>(.*?)</think>", re.DOTALL)
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _OBSERVATION_SOURCE = re.compile(r"observation_(\d{1,9})", re.ASCII)  # bounded: int() refuses 4,300+ digits
 
 
@@ -355,6 +351,21 @@ class Protocol:
         start = text.find(self.call_open)
         return start >= 0 and text.find(self.call_close, start + len(self.call_open)) >= 0
 
+    def turn_calls(self, text: str) -> bool:
+        """Whether a turn counts as calling a tool, for `turn_without_call: ends`: under Loupe's reading any
+        opening call tag (an unclosed one gets an error turn); under DeepEyes' a last complete call that is not
+        empty (visual_toolbox_v2.py:43-44,63-65); under Mini-o3's a complete call span
+        (vllm_async_engine.py:657,697-698)."""
+        if not self.call_open:
+            return False
+        if self.turn_reading == "deepeyes":
+            pattern = re.compile(re.escape(self.call_open) + "(.*?)" + re.escape(self.call_close), re.DOTALL)
+            calls = pattern.findall(text)
+            return bool(calls and calls[-1])
+        if self.turn_reading == "mini_o3":
+            return self.holds_call_span(text)
+        return self.call_open in text
+
     def cut_at_call(self, text: str) -> str:
         """The turn as the stop string ends it: up to and including the first call's closing tag.
 
@@ -387,9 +398,9 @@ class Protocol:
         answers = _ANSWER.findall(text)
         if answers and answers[-1]:  # upstream's `if answer:`: white space alone counts as an answer
             return Action(think=extract_think(text), answer=answers[-1].strip())
-        pattern = re.compile(re.escape(self.call_open) + "(.*?)" + re.escape(self.call_close), re.S)
+        pattern = re.compile(re.escape(self.call_open) + "(.*?)" + re.escape(self.call_close), re.DOTALL)
         calls = pattern.findall(text)
-        if not calls:
+        if not calls or not calls[-1]:  # upstream's `if not action:`: an empty last call ends it too (:63-65)
             raise _Invalid(FormatErrorKind.NO_ACTION, "the turn holds neither a tool call nor <answer>…</answer>")
         return Action(think=extract_think(text), call=self._read_call(calls[-1], num_observations))
 

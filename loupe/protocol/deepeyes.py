@@ -21,6 +21,11 @@ from loupe.protocol.core import (
     clip_text,
 )
 
+ROTATE_TOOL = "image_rotate_tool"
+"""DeepEyes' second tool (visual_toolbox_v2.py:90-95): `{"angle": degrees}`, the original turned by PIL's
+`Image.rotate(angle)` (counter-clockwise, the canvas kept, NEAREST, black corners); read under
+`turn_reading: deepeyes` only."""
+
 
 class DeepEyesProtocol(Protocol):
     """DeepEyes' zoom tool: a JSON function call with absolute pixel boxes on the original image."""
@@ -41,17 +46,36 @@ class DeepEyesProtocol(Protocol):
     def observation_text(self, index: int, size: tuple[int, int] | None = None) -> str:
         return f"<tool_response>{IMAGE_PLACEHOLDER}</tool_response>\nContinue, or give your final answer."
 
+    def can_call(self, tool: str) -> bool:
+        return tool == "crop" or (tool == "rotate" and self.turn_reading == "deepeyes")
+
     def _read_call(self, payload: str, num_observations: int) -> ToolCall:
+        """The call's JSON. Under DeepEyes' reading (`turn_reading: deepeyes`) as its tool reads it
+        (`VisualToolBoxV2.execute`, visual_toolbox_v2.py:66-100): keys it does not read are ignored, anywhere, and
+        `image_rotate_tool` turns the original by `angle` degrees counter-clockwise on its own canvas; otherwise
+        strictly: `name` and `arguments` only, the zoom tool alone, `bbox_2d` and the accepted extra arguments."""
         obj = _load_json_object(payload, "the tool call")
-        _check_keys(obj, ("name", "arguments"), "the tool call")
-        name = obj["name"]
+        lenient = self.turn_reading == "deepeyes"
+        _check_keys(obj, ("name", "arguments"), "the tool call", tuple(obj) if lenient else ())
+        name, arguments = obj["name"], obj["arguments"]
+        if lenient and name == ROTATE_TOOL:
+            if not isinstance(arguments, dict):
+                raise _Invalid(FormatErrorKind.WRONG_TYPE, "'arguments' must be a JSON object")
+            _check_keys(arguments, ("angle",), "the tool call's arguments", tuple(arguments))
+            angle = arguments["angle"]
+            if not isinstance(angle, (int, float)) or isinstance(angle, bool) or not math.isfinite(angle):
+                raise _Invalid(FormatErrorKind.WRONG_TYPE, "'angle' must be a number of degrees")
+            # A turn by `angle` and by `angle` mod 360 are the same picture on a kept canvas.
+            return ToolCall("rotate", {"angle": math.fmod(float(angle), 360.0), "source": ORIGINAL_IMAGE,
+                                       "canvas": "kept"})
         if name != self.tool_name:
             shown = repr(clip_text(name, 40)) if isinstance(name, str) else _shown(name)
             raise _Invalid(FormatErrorKind.UNKNOWN_TOOL, f"unknown tool {shown}; use {self.tool_name!r}")
-        if not isinstance(obj["arguments"], dict):
+        if not isinstance(arguments, dict):
             raise _Invalid(FormatErrorKind.WRONG_TYPE, "'arguments' must be a JSON object")
-        _check_keys(obj["arguments"], ("bbox_2d",), "the tool call's arguments", self.extra_arguments)
-        box = _check_box(obj["arguments"]["bbox_2d"], upper=None, clamp=self.clamp_boxes)
+        _check_keys(arguments, ("bbox_2d",), "the tool call's arguments",
+                    tuple(arguments) if lenient else self.extra_arguments)
+        box = _check_box(arguments["bbox_2d"], upper=None, clamp=self.clamp_boxes)
         return ToolCall("crop", {"bbox_2d": list(box), "source": ORIGINAL_IMAGE, "frame": "absolute"})
 
     def render_call(self, think: str, call: ToolCall) -> str:

@@ -8,11 +8,14 @@ sources and states x0 < x1.
 from __future__ import annotations
 
 import json
+import re
 
 from loupe.data.tasks import IMAGE_PLACEHOLDER
+from loupe.protocol.box_expression import BoxExpressionError, evaluate_box_expression
 from loupe.protocol.core import (
     _OBSERVATION_SOURCE,
     ORIGINAL_IMAGE,
+    Action,
     FormatError,
     FormatErrorKind,
     Protocol,
@@ -24,7 +27,16 @@ from loupe.protocol.core import (
     _load_json_object,
     _short_relative_box,
     clip_text,
+    extract_think,
 )
+
+MINI_O3_CALL_PATTERN = re.compile(r'.*<grounding>{"bbox_2d": (.*),.*"source": [\',"](.*)[\',"]}</grounding>', re.DOTALL)
+"""How Mini-o3's engine reads a grounding call (`process_tool_call`, vllm_async_engine.py:523-526): greedy, so the
+last `<grounding>{"bbox_2d": ` of the turn, the box up to the last comma before `"source"`, the source between
+quotes (a comma is one of its three "quote" characters). `turn_reading: mini_o3` reads calls with it."""
+MINI_O3_SOURCE_PATTERN = re.compile(r"observation_([0-9]*)", re.DOTALL)
+"""Mini-o3's source names (`prepare_grounding_inputs_multi_turn`, function_tools.py:39-50), matched at the start
+only: "observation_2 (the left one)" names observation 2."""
 
 # --- Mini-o3 compatibility constants ------------------------------------------------------------------------
 # Byte for byte from github.com/Mini-o3/Mini-o3 (commit 8654dbf), verl/trainer/constants.py, because Mini-o3's
@@ -93,6 +105,47 @@ class MiniO3Protocol(Protocol):
 
     def error_text(self, detail: str | FormatError) -> str:
         return MINI_O3_TOOL_ERROR_TEMPLATE.format(error_info=_error_detail(detail)) + MINI_O3_ERROR_PROMPT
+
+    def _parse(self, text: str, num_observations: int) -> Action:
+        """Under `turn_reading: mini_o3`, Mini-o3's reading of a turn (vllm_async_engine.py:657,697-714): a turn
+        holding a complete `<grounding>…</grounding>` is a call, whatever else it holds (an `<answer>` beside it
+        too: the call runs, and the answer still counts for the reward), read by `MINI_O3_CALL_PATTERN`; any
+        other turn is read for its answer. Otherwise Loupe's reading (`Protocol._parse`)."""
+        if self.turn_reading != "mini_o3":
+            return super()._parse(text, num_observations)
+        text = self.cut_at_call(text)
+        if not self.holds_call_span(text):
+            return self._parse_answer_or_nothing(text)
+        return Action(think=extract_think(text), call=self._read_mini_o3_call(text, num_observations))
+
+    def _read_mini_o3_call(self, text: str, num_observations: int) -> ToolCall:
+        """The call as Mini-o3's engine and tool read it (module constants); a box is evaluated as number
+        arithmetic, never run (`loupe.protocol.box_expression`), and must then be a list of four numbers
+        (function_tools.py:34)."""
+        match = MINI_O3_CALL_PATTERN.match(text)
+        if match is None:
+            raise _Invalid(FormatErrorKind.BAD_JSON, 'the grounding call does not read as {"bbox_2d": [x0, y0, x1, '
+                                                     'y1], "source": "..."}')
+        try:
+            value = evaluate_box_expression(match.group(1))
+        except BoxExpressionError as err:
+            raise _Invalid(FormatErrorKind.BAD_JSON, f"'bbox_2d' is not a list of numbers ({err})") from None
+        if not isinstance(value, list) or len(value) != 4:
+            raise _Invalid(FormatErrorKind.WRONG_TYPE, "'bbox_2d' must be a list of four numbers [x0, y0, x1, y1]")
+        box = _check_box(value, upper=1.0, clamp=self.clamp_boxes)
+        source = match.group(2)
+        number = 0
+        if source != ORIGINAL_IMAGE:
+            named = MINI_O3_SOURCE_PATTERN.match(source)
+            try:
+                number = int(named.group(1)) if named is not None else -1
+            except ValueError:  # no digits, or more than Python reads
+                number = -1
+            if not 0 <= number <= num_observations:
+                raise _Invalid(FormatErrorKind.UNKNOWN_SOURCE, f"unknown source {clip_text(source, 40)!r}; known: "
+                                                               f"{_known_sources(num_observations)}")
+        source = f"observation_{number}" if number else ORIGINAL_IMAGE
+        return ToolCall("crop", {"bbox_2d": list(box), "source": source, "frame": "relative"})
 
     def _read_call(self, payload: str, num_observations: int) -> ToolCall:
         obj = _load_json_object(payload, "the grounding call")

@@ -35,6 +35,14 @@ class JudgeConfig(BaseModel):
     """First retry waits about this long; each later one doubles it, with +-50% jitter."""
     max_backoff_s: float = Field(default=30.0, ge=0)
     """Cap on one exponential wait between retries; a server's Retry-After (up to two minutes) is obeyed."""
+    transport_retries: int = Field(default=0, ge=0)
+    """HTTP failures (408, 409, 429, 5xx, time-outs) asked again this many times within one attempt, at the same
+    temperature, before they count against `max_retries`: the openai client's own retries inside each attempt of
+    a judge that keeps the client's default (2: Mini-o3's `AzureOpenAI`, general_qa_tool.py:18-22)."""
+    rate_limit_wait_s: float | None = Field(default=None, gt=0)
+    """After an HTTP 429 that outlasts `transport_retries`, wait this long and ask again, counting no attempt and
+    keeping the temperature, for as long as the server refuses (Mini-o3: 3 s, general_qa_tool.py:86-89). None: a
+    429 is a failure like any other."""
     cache_dir: str | None = None
     """Directory of cached verdicts (one JSON file per verdict); None keeps them in memory only."""
     max_workers: int = Field(default=8, ge=1)
@@ -144,6 +152,11 @@ class RewardConfig(BaseModel):
     """Choice questions: ask the judge when the letter cascade finds no letter (needs `judge`)."""
     judge: JudgeConfig | None = None
     """The LLM judge; required when `free_form_match` is `judge` or `choice_judge_fallback` is on."""
+    judge_question: Literal["plain", "prompt"] = "plain"
+    """The question the judge is shown: `plain`, the problem without image placeholders (the judge sees no
+    image) and with its options listed; or `prompt`, the record's question turn as the model saw it, its
+    `<image>` placeholders included (Mini-o3's `raw_prompt`, the user turn's content:
+    verl/utils/dataset/multimodal_dataset.py:299-301, naive_multithreads_tool.py:97)."""
     by_data_source: dict[str, dict[str, Any]] = Field(default_factory=dict)
     """Reward settings for the tasks of one `data_source`, set over the ones above (verl's
     `default_compute_score` picks a scorer by data_source; DeepEyes scores its ThinkLite math rows with a math

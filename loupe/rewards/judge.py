@@ -341,7 +341,8 @@ class LLMJudge:
             request["max_tokens"] = self.config.max_tokens
         if self.config.temperature is not None:
             request["temperature"] = self.config.temperature
-        policy = endpoint.RetryPolicy(self.config.max_retries, self.config.backoff_s, self.config.max_backoff_s)
+        policy = endpoint.RetryPolicy(self.config.max_retries, self.config.backoff_s, self.config.max_backoff_s,
+                                      self.config.transport_retries, self.config.rate_limit_wait_s)
         step, start = self.config.temperature_step, self.config.temperature or 0.0
 
         def warmer(retry: int, sent: dict[str, Any]) -> dict[str, Any]:

@@ -10,11 +10,11 @@ from loupe.rewards.config import RewardConfig
 from loupe.rewards.deepeyes import (
     DEEPEYES_MAX_ANSWER_CHARS,
     decoded_response,
-    deepeyes_common,
-    deepeyes_math,
     deepeyes_answer_text,
+    deepeyes_common,
     deepeyes_crops,
     deepeyes_format_broken,
+    deepeyes_math,
 )
 from loupe.rewards.format import format_reward
 from loupe.rewards.judge import JudgeResult, LLMJudge
@@ -22,8 +22,11 @@ from loupe.rewards.lmm_r1 import lmm_r1_accuracy
 from loupe.rewards.math_grading import grade_answer, math_equal
 from loupe.rewards.mini_o3 import mini_o3_answer
 from loupe.rewards.parts import RewardParts
+from loupe.rewards.pixel_reasoner import (
+    pixel_reasoner_accuracy,
+    pixel_reasoner_response,
+)
 from loupe.rewards.pixelis import task_reward as pixelis_task_reward
-from loupe.rewards.pixel_reasoner import pixel_reasoner_accuracy, pixel_reasoner_response
 from loupe.rewards.r1v import r1v_accuracy
 from loupe.rewards.text import exact_match
 from loupe.trajectory import END_REASONS, Trajectory
@@ -44,8 +47,12 @@ def _judged_by(rule: str, verdicts: list[JudgeResult | None]) -> str:
     return f"{rule}, {JUDGE_FAILED_ZERO}" if any(v is not None and v.zeroed for v in verdicts) else rule
 
 
-def _judge_question_text(task: TaskRecord) -> str:
-    """The question as the judge reads it: no image placeholders (the judge sees no image), options listed."""
+def _judge_question_text(task: TaskRecord, how: str = "plain") -> str:
+    """The question as the judge reads it (`RewardConfig.judge_question`): `plain`, no image placeholders (the
+    judge sees no image) and the options listed; `prompt`, the record's question turn verbatim (its own `prompt`,
+    else its problem as written)."""
+    if how == "prompt":
+        return task.prompt if task.prompt is not None else task.problem
     problem = task.problem.replace(IMAGE_PLACEHOLDER, "").strip()
     if not task.options:
         return problem
@@ -123,7 +130,7 @@ def score(
         accuracy, matched_by = float(extracted == task.solution), "letter"
         if extracted is None and wants_judge:
             reference = f"({task.solution}) {task.answer_text()}"
-            verdict = judge.judge(_judge_question_text(task), reference, answer)  # type: ignore[union-attr]
+            verdict = judge.judge(_judge_question_text(task, cfg.judge_question), reference, answer)  # type: ignore[union-attr]
     elif cfg.free_form_match == "math":
         extracted = answer
         accuracy, matched_by = float(math_equal(answer, task.solution)), "math"
@@ -131,7 +138,7 @@ def score(
         extracted = answer
         accuracy, matched_by = float(exact_match(answer, task.solution)), "exact"
         if accuracy == 0.0 and wants_judge:
-            verdict = judge.judge(_judge_question_text(task), task.solution, answer)  # type: ignore[union-attr]
+            verdict = judge.judge(_judge_question_text(task, cfg.judge_question), task.solution, answer)  # type: ignore[union-attr]
 
     if verdict is not None:
         if not verdict.valid:
@@ -165,7 +172,7 @@ def _deepeyes(task: TaskRecord, response: str, cfg: RewardConfig, judge: LLMJudg
         raise ValueError("the reward config asks for an LLM judge but none was given to score()")
     answer_text = deepeyes_answer_text(response)
     broken = deepeyes_format_broken(response)
-    verdict = judge.judge(_judge_question_text(task), task.solution, answer_text)
+    verdict = judge.judge(_judge_question_text(task, cfg.judge_question), task.solution, answer_text)
     fmt = -1.0 if broken else 0.0
     matched_by = _judged_by("deepeyes", [verdict])
     if not verdict.valid:
@@ -200,7 +207,7 @@ def _deepeyes_other(task: TaskRecord, response: str, cfg: RewardConfig, judge: L
     1.2 tool bonus for a right answer after a crop for geoguessr)."""
     if judge is None:
         raise ValueError("the reward config asks for an LLM judge but none was given to score()")
-    question = _judge_question_text(task)
+    question = _judge_question_text(task, cfg.judge_question)
     rule = deepeyes_math if cfg.free_form_match == "deepeyes_math" else deepeyes_common
     verdicts: list[JudgeResult | None] = []
 
@@ -227,7 +234,7 @@ def _mini_o3(task: TaskRecord, turns: list[str], end_reason: str, has_think: boo
     fmt = format_reward(end_reason, has_think, num_format_errors, cfg.format_rule, final_text, answer)
     accuracy, matched_by = 0.0, "mini_o3"
     if answer is not None:
-        verdict = judge.judge(_judge_question_text(task), task.solution, answer)
+        verdict = judge.judge(_judge_question_text(task, cfg.judge_question), task.solution, answer)
         matched_by = _judged_by("mini_o3", [verdict])
         if not verdict.valid:
             return RewardParts(None, fmt, 0.0, None, False, f"judge failed: {verdict.error}", answer, "judge")

@@ -88,6 +88,9 @@ class Engine(ABC):
     image_factor: int | None = None
     """The model's image grid (patch x merge) when the engine knows its model's processor, else None: the rollout
     loop shows every image on it (`loupe.config.ProtocolParams.image_factor`)."""
+    image_pixels: tuple[int, int] | None = None
+    """(min, max) area the model's image processor resizes into, when the engine knows it
+    (`ProtocolParams.processor_min_pixels`, `processor_max_pixels`)."""
 
     def temperature_for(self, first_turn: bool) -> float:
         """The temperature a turn samples at: `later_temperature` for a dialogue's later turns, when set."""

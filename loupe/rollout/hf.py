@@ -14,7 +14,6 @@ left-padded and their new images concatenated in row order, which is how Qwen2-V
 from __future__ import annotations
 
 import contextlib
-
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,8 +23,23 @@ from transformers import DynamicCache
 
 from loupe.protocol import IMAGE_PLACEHOLDER, split_on_images
 from loupe.rollout.engine import Engine, Generation, TokenTrace
-from loupe.rollout.kv_batch import (SPARE_COLUMNS, Batch, BufferedLayer, DialogueCache, Positions, Row, buffered, cache_layers,
-                                    grouped_attention, keep_rows, linear_layer, merge, right_aligned, row_layers, sample)
+from loupe.rollout.kv_batch import (
+    SPARE_COLUMNS,
+    Batch,
+    BufferedLayer,
+    DialogueCache,
+    Positions,
+    Row,
+    buffered,
+    cache_layers,
+    grouped_attention,
+    keep_rows,
+    linear_layer,
+    merge,
+    right_aligned,
+    row_layers,
+    sample,
+)
 from loupe.rollout.linear_attention import continuing
 
 _MARK = "\x00LOUPE\x00"
@@ -109,9 +123,10 @@ class TokenContextEngine(Engine):
         """Top-k sampling (RolloutParams.top_k); set after construction by `make_engine`."""
         self.batch_size = batch_size
         self.markup = learn_turn_markup(processor)
-        from loupe.models.family import processor_grid
+        from loupe.models.family import processor_grid, processor_pixels
 
         self.image_factor = processor_grid(processor)
+        self.image_pixels = processor_pixels(processor)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         end_ids = {self.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
         end_ids.add(self.tokenizer.eos_token_id)
@@ -123,6 +138,15 @@ class TokenContextEngine(Engine):
         ids = {self.tokenizer.convert_tokens_to_ids(m) for m in markers}
         self.suppressed = sorted(i for i in ids if isinstance(i, int) and i >= 0 and i != self.tokenizer.unk_token_id)
         self._expands_placeholders = self._check_direct_encoding()
+
+    def suppress_unused_ids(self, vocab_size: int) -> None:
+        """Never sample the ids past the tokenizer's, up to the model's `vocab_size`: embedding rows no token names
+        (Qwen2.5-VL-7B: 151,665 to 152,063). Mini-o3's engine drops such an id from a turn after vLLM samples it
+        (vllm_async_engine.py:677-679, ids above 151,664); here none is drawn, so in both no turn shows or trains
+        one."""
+        known = len(self.tokenizer)
+        if vocab_size > known:
+            self.suppressed = sorted(set(self.suppressed) | set(range(known, vocab_size)))
 
     # --- building the context -------------------------------------------------------------------------------
 
@@ -188,7 +212,7 @@ class TokenContextEngine(Engine):
         if state.last_finish == "eos":
             # The model already wrote its end-of-turn token; only what follows it is still missing.
             eos_text = self.tokenizer.decode(state.trace.input_ids[-1:])
-            close = close[len(eos_text) :] if close.startswith(eos_text) else close
+            close = close.removeprefix(eos_text)
         body = text.replace(IMAGE_PLACEHOLDER, self.markup.image)
         ids, pixels, grid = self._encode(close + self.markup.user_prefix + body + self.markup.user_suffix, images)
         state.trace.append(ids, generated=False)
@@ -278,6 +302,7 @@ class TransformersEngine(TokenContextEngine):
         and the learner's log-probs round alike). None runs the module in its own dtype."""
         super().__init__(processor, stop, temperature, top_p, batch_size)
         self.model = model.eval()
+        self.suppress_unused_ids(model.get_output_embeddings().weight.shape[0])
         self.compute_dtype = compute_dtype
         self.device = next(model.parameters()).device
         # Qwen2-VL-family models place image tokens with 3D (mrope) positions, as in training and vLLM: every

@@ -11,19 +11,28 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from PIL import Image
 from tqdm import tqdm
 
+from loupe import visual_ops  # noqa: F401 (registers the visual operations beyond the crop)
 from loupe.config import ProtocolParams
 from loupe.data.tasks import TaskRecord
 from loupe.protocol import Protocol, make_protocol
 from loupe.rollout.engine import Engine
-from loupe import visual_ops  # noqa: F401 (registers the visual operations beyond the crop)
-from loupe.tools import CropResult, ImageSession, ToolResult, fit_to_budget, open_image, run_tool
+from loupe.tools import (
+    CropResult,
+    ImageSession,
+    ToolResult,
+    fit_image,
+    fit_to_budget,
+    open_image,
+    run_tool,
+)
 from loupe.trajectory import Trajectory, Turn
 from loupe.video import read_clip
 
@@ -47,16 +56,23 @@ class RolloutStats:
 
 
 def on_model_grid(protocol_params: ProtocolParams, engine: Engine) -> ProtocolParams:
-    """The protocol's settings with the image grid of the engine's model (`ProtocolParams.image_factor`): every
-    image and crop is then shown at sides the model's processor keeps as they are. A grid the params give that
-    the model's processor contradicts is refused, naming both."""
+    """The protocol's settings with the image grid of the engine's model (`ProtocolParams.image_factor`) and its
+    processor's pixel bounds where the params leave them unset (`processor_min_pixels`, `processor_max_pixels`):
+    every image and crop is then shown at sides the model's processor keeps as they are. A grid the params give
+    that the model's processor contradicts is refused, naming both."""
+    update: dict[str, int] = {}
     grid = getattr(engine, "image_factor", None)
-    if grid is None or protocol_params.image_factor == grid:
-        return protocol_params
-    if protocol_params.image_factor is not None:
-        raise ValueError(f"protocol.image_factor is {protocol_params.image_factor}, but the model's processor resizes "
-                         f"images on a {grid}-px grid (patch x merge); set it to {grid} or leave it null")
-    return protocol_params.model_copy(update={"image_factor": grid})
+    if grid is not None and protocol_params.image_factor != grid:
+        if protocol_params.image_factor is not None:
+            raise ValueError(f"protocol.image_factor is {protocol_params.image_factor}, but the model's processor "
+                             f"resizes images on a {grid}-px grid (patch x merge); set it to {grid} or leave it null")
+        update["image_factor"] = grid
+    bounds = getattr(engine, "image_pixels", None)
+    if bounds is not None:
+        for key, value in zip(("processor_min_pixels", "processor_max_pixels"), bounds):
+            if getattr(protocol_params, key) is None:
+                update[key] = value
+    return protocol_params.model_copy(update=update) if update else protocol_params
 
 
 class Rollout:
@@ -102,7 +118,7 @@ class Rollout:
         prompt_task, frames = task, []
         if images is not None:
             originals = images
-            shown = [fit_to_budget(img, protocol_params.budget) for img in originals]
+            shown = [fit_image(img, protocol_params.budget) for img in originals]
         elif task.video is not None:
             # A video's sampled frames are its images: one placeholder each in the question.
             frames = read_clip(task.video, image_root, protocol_params.video_max_frames,
@@ -112,7 +128,7 @@ class Rollout:
             prompt_task = task.model_copy(update={"images": [f"{task.video}#{n}" for n in range(1, len(frames) + 1)]})
         else:
             originals = [open_image(p, image_root, protocol_params.max_decode_pixels) for p in task.images]
-            shown = [fit_to_budget(img, protocol_params.budget) for img in originals]
+            shown = [fit_image(img, protocol_params.budget) for img in originals]
         for k in range(samples_per_task):
             trajectory = Trajectory(
                 traj_id=f"{task.doc_id}#{k}",
@@ -142,6 +158,14 @@ class Rollout:
             else:
                 live.append(item)
         return live
+
+    def turn_tokens(self, item: _Live) -> int:
+        """New tokens the trajectory's next turn may take: `max_new_tokens`, or what is left of the engine's context
+        (`protocol.model_len`) when less, as vLLM stops a request at its `max_model_len`."""
+        model_len = self.protocol_params.model_len
+        if model_len is None:
+            return self.max_new_tokens
+        return max(1, min(self.max_new_tokens, model_len - self.engine.context_length(item.state)))
 
     def take(self, item: _Live, generation: Any) -> bool:
         """Act on a trajectory's new turn (parse, crop, next user turn); True while it goes on."""
@@ -197,13 +221,13 @@ def run_rollouts(
     """
     run = Rollout(tasks, engine, protocol_params, image_root, samples_per_task, max_turns, max_new_tokens, progress,
                   stats, on_finish)
-    waiting = {engine.submit(item.state, max_new_tokens): item for item in run.live}
+    waiting = {engine.submit(item.state, run.turn_tokens(item)): item for item in run.live}
     try:
         while waiting:
             for ticket, generation in engine.poll():
                 item = waiting.pop(ticket)
                 if run.take(item, generation):
-                    waiting[engine.submit(item.state, max_new_tokens)] = item
+                    waiting[engine.submit(item.state, run.turn_tokens(item))] = item
     except BaseException:
         engine.cancel()
         raise
@@ -226,7 +250,8 @@ def _take_turn(
     trajectory.turns.append(turn)
     if generation.finish == "length":
         turn.action = "error"
-        turn.error = f"length: the turn reached {max_new_tokens} new tokens without finishing"
+        turn.error = (f"length: the turn reached {generation.num_tokens} new tokens without finishing (at most "
+                      f"{max_new_tokens}, and the context's end: protocol.model_len)")
         return "length"
 
     at_limit = trajectory.num_turns >= turn_limit or len(trajectory.images) >= protocol_params.max_images
@@ -260,8 +285,7 @@ def _take_turn(
         turn.error = f"{error_kind}: {detail}"
 
     trajectory.num_format_errors += 1
-    if (action.call is None and protocol_params.turn_without_call == "ends"
-            and not (protocol.call_open and protocol.call_open in generation.text)):
+    if action.call is None and protocol_params.turn_without_call == "ends" and not protocol.turn_calls(generation.text):
         return "format_error"  # the recipe's policy: a turn that calls nothing is the last, scored as it stands
     if item.errors_left <= 0 or trajectory.num_turns >= turn_limit:
         return "format_error"

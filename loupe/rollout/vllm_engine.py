@@ -49,7 +49,10 @@ class VLLMEngine(TokenContextEngine):
 
         super().__init__(processor, stop, temperature, top_p, batch_size=1 << 30)
         self.seed = seed
-        hybrid_on_cpu = read_family(model_path).hybrid and current_platform.is_cpu()
+        family = read_family(model_path)
+        if family.vocab_size:
+            self.suppress_unused_ids(family.vocab_size)
+        hybrid_on_cpu = family.hybrid and current_platform.is_cpu()
         if hybrid_on_cpu and dtype != "bfloat16":
             raise ValueError(f"{model_path}: vLLM's CPU kernel of Gated DeltaNet layers (Qwen3.5) computes in bfloat16 "
                              f"only (its ops/cpu/gdn_attention.py asserts it); set rollout.vllm_dtype: bfloat16, not {dtype}")

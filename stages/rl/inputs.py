@@ -33,6 +33,9 @@ class Inputs:
     val: list[TaskRecord]
     vision_markers: frozenset[int] = frozenset()
     """Token ids of image/video markers: a trajectory whose model wrote one cannot be replayed (see _trainable)."""
+    end_of_turn_id: int | None = None
+    """The chat template's end-of-turn token (<|im_end|>), read when rl.cut_turn is `masked`: a last turn that does
+    not end with it is untrained."""
     withheld_labels: dict[str, str] = field(default_factory=dict)
     """Test-time RL: each question's solution by doc_id, read by nothing but the pseudo-labels' accuracy figure
     (`ttrl/pseudo_label_accuracy`); the trainer's questions carry `UNLABELED`."""
@@ -91,6 +94,15 @@ def read_inputs(params_path: Path, model_path: Path, tasks_dir: Path, section: s
     if params.ttrl.enabled:
         withheld = {task.doc_id: task.solution for task in train}
         train = unlabeled(train)  # test-time RL never trains on a label
+    end_of_turn = None
+    if params.cut_turn == "masked" or params.max_prompt_tokens is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+        end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        end_of_turn = end_of_turn if isinstance(end_of_turn, int) and end_of_turn != tokenizer.unk_token_id else None
+        if params.max_prompt_tokens is not None:
+            train = prompts_within(train, tokenizer, protocol, params.max_prompt_tokens, train_file)
     if params.epochs is not None:
         per_pass = len(train) // params.prompts_per_step
         if per_pass == 0:
@@ -105,4 +117,28 @@ def read_inputs(params_path: Path, model_path: Path, tasks_dir: Path, section: s
             raise ValueError(f"{val_file}: holds no task records; set rl.val_every: 0 to train without validation")
         val = val[: params.val_prompts] if params.val_prompts else val
     markers = frozenset(read_family(model_path).marker_ids.values())  # stops here for a model Loupe cannot run
-    return Inputs(seed, params, protocol, rollout, Path(model_path), Path(tasks_dir), train, val, markers, withheld)
+    return Inputs(seed, params, protocol, rollout, Path(model_path), Path(tasks_dir), train, val,
+                  vision_markers=markers, withheld_labels=withheld, end_of_turn_id=end_of_turn)
+
+
+def prompts_within(tasks: list[TaskRecord], tokenizer: Any, protocol_params: ProtocolParams, limit: int,
+                   where: Path) -> list[TaskRecord]:
+    """The tasks whose prompt (system and question turns through the chat template, each image one `<image>`, as
+    verl counts them before its processor expands images) holds at most `limit` tokens; says how many went."""
+    from loupe.protocol import make_protocol
+
+    protocol = make_protocol(protocol_params)
+    kept = []
+    for task in tasks:
+        messages = [{"role": "system", "content": protocol.task_system_prompt(task)},
+                    {"role": "user", "content": protocol.question_text(task)}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        if len(ids) <= limit:
+            kept.append(task)
+    if len(kept) < len(tasks):
+        print(f"rl: {len(tasks) - len(kept)} of {len(tasks)} train prompts in {where} are longer than "
+              f"rl.max_prompt_tokens {limit} and are left out")
+    if not kept:
+        raise ValueError(f"{where}: every prompt is longer than rl.max_prompt_tokens {limit}")
+    return kept

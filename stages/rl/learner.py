@@ -34,12 +34,21 @@ import torch
 from loupe.io import atomic_directory, make_readable
 from loupe.models import load_model, load_processor, resolve_device
 from loupe.models.family import write_published_layout
-from loupe.rollout.weight_sync import SyncGroup, device_identity, free_address, send_weights
+from loupe.rollout.weight_sync import (
+    SyncGroup,
+    device_identity,
+    free_address,
+    send_weights,
+)
 from stages.rl.batching import TrainSequence, split_evenly, token_logprobs
 from stages.rl.loss import LossConfig, loss_normaliser, policy_loss
+from stages.rl.optimizer import (
+    lr_scheduler,
+    move_optimizer_state,
+    optimizer_steps_taken,
+)
 from stages.rl.params import RLParams
 from stages.rl.sharding import shard_model
-
 
 SUMMED_STATS = (
     "tokens", "pg_loss_sum", "clipped_sum", "clipped_high_sum", "clipped_low_sum", "ratio_sum", "policy_kl_sum",
@@ -57,49 +66,6 @@ def _single_process_checkpoint(distributed: bool) -> Iterator[None]:
         if not distributed:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         yield
-
-
-def lr_scheduler(optimizer: torch.optim.Optimizer, params: RLParams, taken: int = 0) -> torch.optim.lr_scheduler.LRScheduler:
-    """The learning-rate schedule of `params` (`lr_schedule`, `warmup_ratio`, `min_lr_ratio`) over the run's
-    optimiser steps, through transformers' `get_scheduler` (`constant_with_warmup`, `linear`,
-    `cosine_with_min_lr`: OpenRLHF builds its schedule with the same function), advanced past the `taken`
-    steps of a resumed run."""
-    import warnings
-
-    from transformers import get_scheduler
-
-    total = params.steps * params.ppo_epochs * params.mini_batches
-    warmup = math.ceil(params.warmup_ratio * total)
-    name = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine_with_min_lr"}[params.lr_schedule]
-    extra = {"min_lr_rate": params.min_lr_ratio} if params.lr_schedule == "cosine" else None
-    for group in optimizer.param_groups:  # a rebuilt schedule starts from the configured rate, not the decayed one
-        group["lr"] = group.get("initial_lr", group["lr"])
-    scheduler = get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total,
-                              scheduler_specific_kwargs=extra)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()": replaying steps already taken
-        for _ in range(taken):
-            scheduler.step()
-    return scheduler
-
-
-def optimizer_steps_taken(optimizer: torch.optim.Optimizer) -> int:
-    """How many steps AdamW has taken, from its per-parameter `step` counters (0 before the first)."""
-    steps = [float(state["step"]) for state in optimizer.state.values() if "step" in state]
-    return int(max(steps)) if steps else 0
-
-
-def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> int:
-    """Move every tensor of the optimiser's state (AdamW's two moments and step) to `device`; returns the bytes
-    moved (0 when all were there already)."""
-    moved = 0
-    device = torch.device(device)
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.device != device:
-                state[key] = value.to(device, non_blocking=False)
-                moved += value.numel() * value.element_size()
-    return moved
 
 
 def critic_folder(learner_folder: Path) -> Path:
@@ -290,27 +256,34 @@ class Learner:
         self.model.train()  # a colocated engine generates with this module in eval mode between updates
         move_optimizer_state(self.optimizer, self.device)  # back from the host after `offload_optimizer`
         p = self.params
-        sequences = [s for s in sequences if s.num_trained]
+        # Rows trained on no token leave the update, unless rl.masked_rows_in_loss keeps them in their mini-batch,
+        # where they count in seq_mean_token_mean's divisor as verl counts them.
+        kept = sequences if p.masked_rows_in_loss else [s for s in sequences if s.num_trained]
         totals: dict[str, float] = {}
         grad_norms: list[float] = []
         critic_norms: list[float] = []
-        if not sequences and not self.distributed:
+        if not any(s.num_trained for s in kept) and not self.distributed:
             return {"skipped_update": 1.0}
-        minis = split_evenly(sequences, p.mini_batches)
+        minis = split_evenly(kept, p.mini_batches)
         if not self.distributed:
-            minis = [m for m in minis if m]
+            minis = [m for m in minis if any(s.num_trained for s in m)]
         for _ in range(p.ppo_epochs):
             for mini in minis:
                 tokens, count = sum(s.num_trained for s in mini), len(mini)
+                mini = [s for s in mini if s.num_trained]
+                micros = self._micro_batches(mini)
+                real_micros = len([m for m in micros if m])
                 if self.distributed:
-                    counts = torch.tensor([tokens, count], dtype=torch.float64, device=self.device)
+                    counts = torch.tensor([tokens, count, real_micros], dtype=torch.float64, device=self.device)
                     torch.distributed.all_reduce(counts)
-                    tokens, count = int(counts[0]), int(counts[1])
+                    tokens, count, real_micros = int(counts[0]), int(counts[1]), int(counts[2])
                 normaliser = loss_normaliser(p.aggregation, tokens, count, self.generation_budget)
                 self.optimizer.zero_grad(set_to_none=True)
                 mini_kl = 0.0
-                for micro in self._micro_batches(mini):
+                for micro in micros:
                     stats: dict[str, float] = {}
+                    if p.aggregation == "micro_token_mean":  # each micro-batch's token mean, averaged over them
+                        normaliser = float(max(sum(s.num_trained for s in micro or []), 1) * max(real_micros, 1))
                     if train_policy:
                         stats.update(self._backward(micro or filler or [], normaliser, scale=1.0 if micro else 0.0,
                                                     kl_tokens=float(max(tokens, 1))))
@@ -438,14 +411,20 @@ class Learner:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full policy weights on CPU (for rollout workers and saving); gathered across ranks when sharded."""
         if self.distributed:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+            )
 
             return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return {k: v.detach().to("cpu", copy=True) for k, v in self.policy_weights()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         if self.distributed:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_model_state_dict,
+            )
 
             set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True))
         else:
@@ -490,7 +469,10 @@ class Learner:
     def load_checkpoint(self, folder: Path) -> None:
         """Load a `save_checkpoint` folder in place: each rank reads its own shard into its own tensors."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            get_state_dict,
+            set_state_dict,
+        )
 
         if not (Path(folder) / ".metadata").is_file():
             raise FileNotFoundError(f"{folder}: not a checkpoint of this version (no torch.distributed.checkpoint .metadata)")

@@ -28,7 +28,10 @@ Then `loss_t = pg_t + kl_coef * KL_t - entropy_coef * H_t`, and the micro-batch'
 accumulate to exactly the mini-batch's loss (`loss_normaliser`): its trained-token count for `token_mean`
 (Mini-o3, DAPO: every token weighs the same, whatever its sequence's length; w_t = 1), sequences x generation
 budget for `token_sum` (Dr. GRPO: a constant, so long answers are not down-weighted; w_t = 1), or its sequence
-count for `seq_mean_token_mean` (GSPO; w_t = 1 / the length of t's sequence).
+count for `seq_mean_token_mean` (GSPO; w_t = 1 / the length of t's sequence). `micro_token_mean` is verl's
+`token-mean` as it runs per micro-batch (DeepEyes: 4 sequences a GPU): each micro-batch's own token mean,
+averaged over the mini-batch's micro-batches (dp_actor.py:302-306,381), so a token of a short micro-batch weighs
+more; its divisor is set per micro-batch by the learner.
 
 Statistics come back as sums (clipped tokens, ratio, KL, entropy, ...) so callers can add them over
 micro-batches and ranks and divide once.
@@ -74,14 +77,16 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
 
 
 def loss_normaliser(aggregation: str, trained_tokens: int, sequences: int, generation_budget: int) -> float:
-    """What a mini-batch's summed token losses are divided by (see the module docstring)."""
-    if aggregation == "token_mean":
+    """What a mini-batch's summed token losses are divided by (see the module docstring); `micro_token_mean`'s
+    divisor is each micro-batch's own (the learner's), this its value for a whole mini-batch in one micro-batch."""
+    if aggregation in ("token_mean", "micro_token_mean"):
         return float(max(trained_tokens, 1))
     if aggregation == "token_sum":
         return float(max(sequences * generation_budget, 1))
     if aggregation == "seq_mean_token_mean":
         return float(max(sequences, 1))
-    raise ValueError(f"unknown loss aggregation {aggregation!r}; use token_mean, token_sum or seq_mean_token_mean")
+    raise ValueError(f"unknown loss aggregation {aggregation!r}; use token_mean, token_sum, seq_mean_token_mean or "
+                     "micro_token_mean")
 
 
 def _per_sequence_mean(values: torch.Tensor, seq_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from typing import Any
-
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from loupe.config import Section
 from loupe.remote_reward import RemoteRewardConfig
 from loupe.rewards import RewardConfig
 from stages.rl.estimators import ESTIMATOR_NAMES, recipe
+from stages.rl.pixelis_params import PixelisRewardParams
 
 
 class KLParams(Section):
@@ -74,89 +73,6 @@ class CuriosityParams(Section):
     paper's form, `coef * max(threshold - rate, 0)`."""
 
 
-class PixelisWeights(Section):
-    """Weights of Pixelis' reward terms (`RewardOrchestrator`: task_reward_weight 1.0, curiosity 0.3, coherence 0.2)."""
-
-    task: float = 1.0
-    curiosity: float = 0.3
-    coherence: float = 0.2
-
-
-class PixelisStageWeights(Section):
-    """The weights a curriculum stage sets; an unset one keeps the value before it."""
-
-    task: float | None = None
-    curiosity: float | None = None
-    coherence: float | None = None
-
-
-class PixelisCurriculumStage(Section):
-    step: int = Field(ge=0)
-    """The RL step from which this stage's weights hold."""
-    weights: PixelisStageWeights = PixelisStageWeights()
-
-
-class PixelisCuriosityParams(Section):
-    """Pixelis' intrinsic-curiosity module (`CuriosityRewardModule`: beta 0.2, eta 0.5, hidden 256)."""
-
-    beta: float = Field(0.2, ge=0, le=1)
-    """The forward loss's share of the module's training loss (the inverse model's is 1 - beta)."""
-    eta: float = Field(0.5, ge=0)
-    """Scale of the intrinsic reward (the forward model's squared error)."""
-    hidden: int = Field(256, ge=1)
-    """Width of its MLPs."""
-    lr: float = Field(1e-3, gt=0)
-    """Adam's rate for the module, trained once a step on the step's transitions (upstream does not fix one)."""
-
-
-class PixelisCoherenceParams(Section):
-    """`TrajectoryCoherenceAnalyzer` (repetition_penalty 0.5, min_trajectory_length 2)."""
-
-    repetition_penalty: float = Field(0.5, ge=0)
-    min_length: int = Field(2, ge=0)
-
-
-class PixelisPenaltyParams(Section):
-    """`_calculate_tool_penalty` (tool_misuse_penalty -0.1, excessive_tool_use_threshold 10 and penalty -0.2)."""
-
-    misuse: float = Field(-0.1, le=0)
-    excessive_threshold: int = Field(10, ge=0)
-    excessive: float = Field(-0.2, le=0)
-
-
-class PixelisRewardParams(Section):
-    """Pixelis' combined reward (stages/rl/pixelis.py): the reward rule's total as the task reward, its curiosity
-    and coherence rewards under a curriculum, and its tool penalties, replacing each valid total."""
-
-    enabled: bool = False
-    weights: PixelisWeights = PixelisWeights()
-    """The weights without a curriculum; with one, the task weight from step 0 (curiosity and coherence 0)."""
-    curriculum: list[PixelisCurriculumStage] = Field(default_factory=list)
-    """Stages `{step, weights}` in step order; empty: `weights` throughout."""
-    normalize: bool = True
-    """Z-score each term by its running statistics (`normalize_rewards`, on upstream)."""
-    statistics_update: Literal["step", "trajectory"] = "step"
-    """When the running statistics take in new values. `step`: every trajectory of a step is z-scored with the
-    statistics as they were before the step, which then take in the step's values in order. `trajectory`:
-    upstream's order (`calculate_reward` updates them before z-scoring each value). With `trajectory`, a GRPO
-    group of equal rewards gets z-scores that differ by the sample's position, as the mean moves between them,
-    and dividing by the group's std turns that drift into advantages of about +-1: on the operations twin,
-    RL then unlearnt the operations (docs/learning.md, "Pixelis' reward terms, kind by kind")."""
-    clip: float = Field(10.0, gt=0)
-    """The total is clipped to +-clip (`reward_clip_value`)."""
-    curiosity: PixelisCuriosityParams = PixelisCuriosityParams()
-    coherence: PixelisCoherenceParams = PixelisCoherenceParams()
-    penalties: PixelisPenaltyParams = PixelisPenaltyParams()
-
-    @field_validator("curriculum")
-    @classmethod
-    def _stages_in_order(cls, stages: list[PixelisCurriculumStage]) -> list[PixelisCurriculumStage]:
-        steps = [stage.step for stage in stages]
-        if steps != sorted(steps):
-            raise ValueError(f"stages must be in step order, got steps {steps}")
-        return stages
-
-
 class ConservativeParams(Section):
     """Pixelis' guardrails on each test-time update (stages/rl/conservative.py; `core/engine/update_worker.py`,
     `KLConfig`, and `inference_engine.py`, `_calculate_adaptive_lr`, @ 991bb06)."""
@@ -194,7 +110,7 @@ class ConservativeParams(Section):
     """The rate's floor (`min_learning_rate` 1e-6)."""
 
     @model_validator(mode="after")
-    def _bounds_in_order(self) -> "ConservativeParams":
+    def _bounds_in_order(self) -> ConservativeParams:
         if self.min_beta > self.max_beta:
             raise ValueError(f"min_beta {self.min_beta} is above max_beta {self.max_beta}")
         if self.min_lr > self.max_lr:
@@ -332,6 +248,13 @@ class RLParams(Section):
     """The run's length in passes over the train split instead of `steps`: steps = epochs x (train prompts //
     prompts_per_step), the last partial batch of each pass dropped (verl's `len(train_dataloader) x total_epochs`
     with `drop_last=True`: Mini-o3's verl/trainer/ppo/ray_trainer.py:580-581,623-628). None: `steps`."""
+    run_length: Literal["steps", "passes"] = "steps"
+    """How `epochs` ends a run. `steps`: it fixes the step count (above), and dynamic sampling draws fresh prompts
+    past the passes. `passes`: verl's loop as Mini-o3 runs it (ray_trainer.py:1318-1321,1435-1470,1559-1570): the
+    prompt stream makes `epochs` passes over the train split, each pass in a new order with its last partial batch
+    dropped, and each generation round of dynamic sampling takes a batch of them; the run ends when the passes
+    are drawn (a step still short of `prompts_per_step` kept groups then is not trained) or at the steps above,
+    whichever comes first. With half the groups uniform, a run trains about half the steps `steps` gives."""
     max_turns: int | None = Field(None, ge=1)
     """Assistant turns per trajectory in training; None keeps protocol.max_turns (Mini-o3: 6)."""
     max_new_tokens: int | None = Field(None, ge=1)
@@ -350,10 +273,16 @@ class RLParams(Section):
     """Dual-clip PPO (Ye et al., arXiv 1912.09729; verl `compute_policy_loss`, `clip_ratio_c`, 3.0 in its
     config): for a negative advantage the token's loss is capped at -A x dual_clip, so a ratio far above 1 on a
     bad token cannot blow the loss up. None is off (OpenRLHF's and Loupe's default)."""
-    loss_aggregation: Literal["auto", "token_mean", "token_sum", "seq_mean_token_mean"] = "auto"
-    """token_mean: mean over every trained token of the batch (Mini-o3, DAPO); token_sum: sum over tokens
-    divided by a constant (sequences x generation budget), Dr. GRPO's length-unbiased form;
-    seq_mean_token_mean: each sequence's token mean, averaged over sequences (GSPO); auto: the estimator's."""
+    loss_aggregation: Literal["auto", "token_mean", "token_sum", "seq_mean_token_mean", "micro_token_mean"] = "auto"
+    """token_mean: mean over every trained token of the batch (DAPO); token_sum: sum over tokens divided by a
+    constant (sequences x generation budget), Dr. GRPO's length-unbiased form; seq_mean_token_mean: each
+    sequence's token mean, averaged over sequences (GSPO; Mini-o3's token-mean over one-sequence micro-batches);
+    micro_token_mean: each micro-batch's (`micro_batch_size`) token mean, averaged over the mini-batch's
+    micro-batches (verl's token-mean as DeepEyes runs it, 4 sequences a micro-batch); auto: the estimator's."""
+    masked_rows_in_loss: bool = False
+    """Whether a row trained on no token (an over-turn or cut trajectory masked whole) stays in its mini-batch,
+    counted in the divisor of `seq_mean_token_mean` (and among `micro_token_mean`'s micro-batches' rows), as
+    verl keeps it there with a zero mask (Mini-o3: dp_actor.py:284-286,316-322,394); false leaves it out."""
     gspo_variant: Literal["sequence", "token"] = "sequence"
     """gspo only: `sequence` clips each sequence's length-normalised ratio (GSPO); `token` is GSPO-token, whose
     token ratio has the sequence ratio's value and its own token's gradient (equal to GSPO when every token of a
@@ -382,11 +311,26 @@ class RLParams(Section):
     and its released code read differently here (its verl code zeroes the over-turn rows' loss mask and leaves
     the grouped rewards alone, which is `true`); both are available."""
     cut_turn: Literal["trained", "masked"] = "trained"
-    """A trajectory whose last turn the token budget cut (end reason `length`): every generated token trained
-    (`trained`), or that turn's tokens masked while its earlier turns train and its reward still counts in its
-    group (`masked`: Mini-o3, whose response mask ends at the dialogue's last <|im_end|>: vllm_async_engine.py:916,
-    verl/utils/torch_functional.py:171-198 `get_final_eos_mask`, dp_actor.py:312). DAPO's overlong filter, when
-    on, masks the whole trajectory instead."""
+    """A trajectory whose last turn did not end with the chat template's end of turn (<|im_end|>): cut by the
+    token budget (end reason `length`), or ended by another stop token (<|endoftext|>). Every generated token
+    trained (`trained`), or that last turn's tokens masked while its earlier turns train and its reward still
+    counts in its group (`masked`: Mini-o3, whose response mask ends at the dialogue's last <|im_end|>:
+    vllm_async_engine.py:508-510,916, verl/utils/torch_functional.py:171-198 `get_final_eos_mask`,
+    dp_actor.py:312). DAPO's overlong filter, when on, masks the whole of a cut trajectory instead."""
+    invalid_reward: Literal["trajectory", "group"] = "trajectory"
+    """What a trajectory whose reward is invalid (a judge that gave no verdict after its retries) takes out of
+    the step: itself, its group staying (`trajectory`); or its whole group (`group`: Mini-o3 drops every row of
+    the prompt, naive_multithreads_tool.py:162-164, function_tools.py:217-220 `get_valid_mask`)."""
+    rescore_invalid: bool = False
+    """When a generation batch holds an invalid reward, score the whole batch again once, every trajectory asked
+    anew (DeepEyes' trainer calls its reward function a second time when the first raises: ray_trainer.py:
+    1023-1030). What is still invalid then follows `invalid_reward`; upstream's run ends there instead (the second
+    call raises and nothing catches it)."""
+    max_prompt_tokens: int | None = Field(None, ge=1)
+    """Train prompts longer than this are left out before the run, counted on the chat template's text of the
+    system and question turns with each image one `<image>` (verl's `filter_overlong_prompts` and Mini-o3's
+    dataset filter: `max_prompt_length` 8192, counted on the templated text with images unexpanded:
+    DeepEyes' rl_dataset.py:110-118, Mini-o3's multimodal_dataset.py:201-204). None keeps every prompt."""
     dynamic_sampling: DynamicSamplingParams = DynamicSamplingParams()
     """Drop zero-signal groups and refill the batch."""
     overlap: bool = False
@@ -555,6 +499,8 @@ class RLParams(Section):
             raise ValueError("clip_low/clip_high: at least one clip range must be positive")
         if self.mini_batches > self.prompts_per_step * self.samples_per_prompt:
             raise ValueError("mini_batches: more mini-batches than sequences in a batch")
+        if self.run_length == "passes" and self.epochs is None:
+            raise ValueError("run_length: passes counts passes over the train split; set epochs")
         if self.epochs is not None and "steps" in self.model_fields_set:
             raise ValueError("steps, epochs: give the run's length one way (epochs derives the steps from the train split)")
         if self.lora.rank and self.learner_ranks > 1:

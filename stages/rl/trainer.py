@@ -45,11 +45,24 @@ from stages.rl.batching import TrainSequence
 from stages.rl.cluster import absolute_path
 from stages.rl.inputs import Inputs
 from stages.rl.loss import kl_estimate
-from stages.rl.metrics import MetricsLog, final_metrics, peak_device_memory, rollout_metrics, val_row, write_plots
-from stages.rl.params import RLParams
+from stages.rl.metrics import (
+    MetricsLog,
+    final_metrics,
+    peak_device_memory,
+    rollout_metrics,
+    val_row,
+    write_plots,
+)
 from stages.rl.pixelis import PixelisShaper
+from stages.rl.prompt_stream import PromptStream
+from stages.rl.shaping import (
+    curiosity_bonus,
+    longest_turn,
+    overlong_penalty,
+    token_rewards,
+)
+from stages.rl.trainable import _trainable, to_sequence, wrote_vision_marker
 from stages.rl.ttrl import PseudoLabeler
-from stages.rl.shaping import curiosity_bonus, longest_turn, overlong_penalty, token_rewards
 
 TTRL_STATE = "ttrl_buffer.json"
 """rl.ttrl's experience buffer, in each checkpoint."""
@@ -67,29 +80,6 @@ def derive_seed(*parts: int) -> int:
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0] & 0x7FFFFFFF)
 
 
-class PromptStream:
-    """Task indices in a fresh seeded permutation each epoch; its whole state is one integer, `position`."""
-
-    def __init__(self, num_tasks: int, seed: int, position: int = 0):
-        if num_tasks < 1:
-            raise ValueError("the train split holds no task")
-        self.num_tasks, self.seed, self.position = num_tasks, seed, position
-        self._orders: dict[int, np.ndarray] = {}
-
-    def _order(self, epoch: int) -> np.ndarray:
-        if epoch not in self._orders:
-            self._orders = {epoch: np.random.default_rng([self.seed, epoch]).permutation(self.num_tasks)}
-        return self._orders[epoch]
-
-    def take(self, count: int) -> list[int]:
-        out = []
-        for _ in range(count):
-            epoch, index = divmod(self.position, self.num_tasks)
-            out.append(int(self._order(epoch)[index]))
-            self.position += 1
-        return out
-
-
 def logprob_gap(engine: list[torch.Tensor], learner: list[torch.Tensor]) -> dict[str, float]:
     """How far the engine's log-probs of its sampled tokens are from the learner's on the same tokens: the mean,
     99th percentile and largest absolute difference over every trained token.
@@ -105,57 +95,6 @@ def logprob_gap(engine: list[torch.Tensor], learner: list[torch.Tensor]) -> dict
     flat = torch.cat(diffs)
     return {"logprob_gap_mean": float(flat.mean()), "logprob_gap_p99": float(torch.quantile(flat, 0.99)),
             "logprob_gap_max": float(flat.max())}
-
-
-def wrote_vision_marker(t: Trajectory, markers: frozenset[int]) -> bool:
-    """Whether the model itself sampled an image/video marker token.
-
-    The learner could not replay such a trajectory: the marker would claim an image that does not exist
-    ("image features and image tokens do not match"). The transformers engine never samples them; other
-    engines might.
-    """
-    trace = t.trace
-    return trace is not None and any(g and i in markers for i, g in zip(trace.input_ids, trace.generated))
-
-
-def _trainable(t: Trajectory, params: RLParams, markers: frozenset[int] = frozenset()) -> tuple[bool, bool]:
-    """(trained?, counted in its group's statistics?) for a scored trajectory."""
-    valid = bool(t.rewards.get("valid", True)) and t.rewards.get("total") is not None
-    over = t.end_reason == "over_turn"
-    # DAPO's overlong filter masks the loss of a cut trajectory; its reward still counts in the group's statistics,
-    # as verl's DAPO trainer computes them over every sample.
-    cut = params.overlong.filter and t.end_reason == "length"
-    trained = valid and not (params.over_turn_masking and over) and not cut and not wrote_vision_marker(t, markers)
-    counted = valid and (not over or not params.over_turn_masking or params.over_turn_in_group_stats)
-    return trained, counted
-
-
-def to_sequence(t: Trajectory, trained: bool, group: str, mask_cut_turn: bool = False) -> TrainSequence:
-    """The learner's view of a trajectory: its token trace, trained positions, the sampler's log-probs and the
-    images the model saw (the trace's own uint8 objects; the learner computes their pixel values itself, so
-    no float32 pixels travel to its ranks, and the engine's `trace.extras` is never read). `mask_cut_turn`
-    (`rl.cut_turn: masked`): the generated tokens of a `length` trajectory's last, cut turn are not trained."""
-    trace = t.trace
-    if trace is None:
-        raise ValueError(f"trajectory {t.traj_id} has no token trace; the rl stage needs the transformers or vllm engine")
-    ids = torch.tensor(trace.input_ids, dtype=torch.long)
-    generated = torch.tensor(trace.generated, dtype=torch.bool)
-    generated[0] = False  # the first token has no logit predicting it (never generated anyway)
-    if mask_cut_turn and t.end_reason == "length":
-        last = len(generated)
-        while last > 0 and generated[last - 1]:  # the cut turn: the trace's final run of generated tokens
-            last -= 1
-        generated[last:] = False
-    positions = generated.nonzero().squeeze(1) if trained else torch.zeros(0, dtype=torch.long)
-    return TrainSequence(
-        input_ids=ids,
-        positions=positions,
-        advantage=0.0,
-        old_logprobs=torch.tensor(trace.logprobs, dtype=torch.float32)[positions],
-        images=list(trace.images),
-        traj_id=t.traj_id,
-        group=group,
-    )
 
 
 @dataclass
@@ -179,7 +118,11 @@ class Trainer:
         self.run = run or NullRun()
         self.progress = progress
         self.use_ray = self.params.ray.enabled if use_ray is None else use_ray
-        self.stream = PromptStream(len(inputs.train), inputs.seed)
+        passes = self.params.run_length == "passes"
+        self.stream = PromptStream(len(inputs.train), inputs.seed,
+                                   whole_batches=self.params.prompts_per_step if passes else None)
+        self.batch_budget = (self.params.epochs or 1) * (len(inputs.train) // self.params.prompts_per_step) if passes else None
+        """rl.run_length: passes: the generation batches the run may draw (epochs x whole batches a pass)."""
         self.log = MetricsLog(self.out_dir / "metrics.jsonl")
         self.step = 0
         self.last_batch: list[Trajectory] = []
@@ -244,7 +187,11 @@ class Trainer:
 
     def _connect_weights(self) -> None:
         """Form the weight-sync group (learner rank 0 + one rank per rollout engine) and plan its buckets."""
-        from loupe.rollout.weight_sync import choose_backend, dtype_from_name, plan_manifest
+        from loupe.rollout.weight_sync import (
+            choose_backend,
+            dtype_from_name,
+            plan_manifest,
+        )
 
         p = self.params
         dtype, _ = self.workers.weights_format()
@@ -292,6 +239,9 @@ class Trainer:
                 timing["rollout_ahead"] = self.ahead.seconds
                 self.ahead = None
             else:
+                if not self._prompts_left():
+                    timing["out_of_prompts"] = 1.0
+                    break
                 tasks = [i.train[k] for k in self.stream.take(p.prompts_per_step)]
                 seeds = [derive_seed(i.seed, step, attempt, w) for w in range(p.ray.num_workers)]
                 trajectories = self._rollout_scored(tasks, p.samples_per_prompt, seeds, timing)
@@ -302,6 +252,8 @@ class Trainer:
             n = p.samples_per_prompt
             groups = [trajectories[g : g + n] for g in range(0, len(trajectories), n)]
             timing["groups_seen"] += len(groups)
+            if p.invalid_reward == "group":  # Mini-o3: a judge failure drops its prompt's whole group
+                groups = [group for group in groups if all(t.rewards.get("valid", True) for t in group)]
             if p.dynamic_sampling.enabled:
                 flat = [t for g in groups for t in g]
                 labels = [g for g, group in enumerate(groups) for _ in group]
@@ -313,6 +265,11 @@ class Trainer:
             if len(kept) >= p.prompts_per_step:
                 break
         return kept, everything, timing
+
+    def _prompts_left(self) -> bool:
+        """Whether the run may draw another batch of prompts (always, unless rl.run_length: passes has drawn its
+        epochs' batches)."""
+        return self.batch_budget is None or self.stream.batches_drawn < self.batch_budget
 
     def _rollout_scored(self, tasks: list[TaskRecord], samples: int, seeds: list[int], timing: dict[str, float],
                         temperature: float | None = None) -> list[Trajectory]:
@@ -339,6 +296,10 @@ class Trainer:
             scorable = [t for k, t in enumerate(trajectories) if k not in gated]
         for t, rewards in zip(scorable, self.reward.score(scorable) if scorable else []):
             t.rewards = rewards
+        if self.params.rescore_invalid and any(not t.rewards.get("valid", True) for t in scorable):
+            timing["rescored_batches"] = timing.get("rescored_batches", 0.0) + 1
+            for t, rewards in zip(scorable, self.reward.score(scorable)):  # DeepEyes: the whole batch, once
+                t.rewards = rewards
         self._shape(trajectories, group_size)
         if self.pixelis is not None:
             self.pixelis.shape(trajectories, self.step + 1)
@@ -404,21 +365,27 @@ class Trainer:
         for (s, _), advantages in zip(trained, found):
             s.token_advantages = torch.tensor(advantages, dtype=torch.float32)
 
-    def train_step(self, step: int) -> dict[str, Any]:
+    def train_step(self, step: int) -> dict[str, Any] | None:
+        """One step; None when the prompts ran out before it had a whole batch (rl.run_length: passes), which
+        ends the run untrained, as verl's loop ends with a short batch."""
         started = time.perf_counter()
         p = self.params
         kept, everything, timing = self._collect(step)
+        if timing.get("out_of_prompts") and len(kept) < p.prompts_per_step:
+            self.last_batch = everything or self.last_batch
+            return None
         batch = [t for group in kept for t in group]
         self.last_batch = batch or everything
         flags = [_trainable(t, p, self.inputs.vision_markers) for t in batch]
         labels = [f"{g}" for g, group in enumerate(kept) for _ in group]
         cut = p.cut_turn == "masked"
-        sequences = [to_sequence(t, trained, label, cut) for t, (trained, _), label in zip(batch, flags, labels)]
+        sequences = [to_sequence(t, trained, label, cut, self.inputs.end_of_turn_id)
+                     for t, (trained, _), label in zip(batch, flags, labels)]
         trained = [s for s in sequences if s.num_trained]
 
         update_started = time.perf_counter()
         update: dict[str, float] = {}
-        started_ahead = self._start_ahead(step + 1) if p.overlap and step < p.steps else None
+        started_ahead = self._start_ahead(step + 1) if p.overlap and step < p.steps and self._prompts_left() else None
         self.workers.sleep()  # colocated vLLM gives the GPU to the learner until the weights are back
         if trained:
             if p.logprob_source == "recompute":
@@ -445,7 +412,8 @@ class Trainer:
                 for s, a in zip(sequences, advantages):
                     s.advantage = float(a)
             train_policy = not (p.recipe.critic and step <= p.critic.warmup_steps)
-            update = self.learner.update(trained, train_policy=train_policy, lr=self._conservative_lr())
+            rows = sequences if p.masked_rows_in_loss else trained
+            update = self.learner.update(rows, train_policy=train_policy, lr=self._conservative_lr())
             if self.workers.sleeps:  # a colocated vLLM is about to take its memory back
                 self.learner.offload_optimizer()
             timing["ahead_wait"] = self._finish_ahead(started_ahead)
@@ -475,6 +443,7 @@ class Trainer:
                 "batch/groups": len(kept),
                 "batch/groups_dropped": timing["groups_seen"] - len(kept),
                 "batch/tries": timing["tries"],
+                "batch/rescored": timing.get("rescored_batches", 0.0),
                 "batch/trained_sequences": len(trained),
                 "batch/trained_tokens": sum(s.num_trained for s in trained),
                 "batch/over_turn_masked": sum(1 for t, (tr, _) in zip(batch, flags) if not tr and t.end_reason == "over_turn"),
@@ -496,6 +465,8 @@ class Trainer:
                 **peak_device_memory(),
             }
         )
+        if self.batch_budget is not None:
+            row["stream/batches_drawn"] = self.stream.batches_drawn
         return row
 
     def _start_ahead(self, step: int) -> tuple[int, list[Any], float]:
@@ -571,6 +542,13 @@ class Trainer:
                 self._record(self._validate_shown(bar, 0))
             for step in range(self.step + 1, p.steps + 1):
                 row = self.train_step(step)
+                if row is None:
+                    tqdm.write(f"rl: the train split's {p.epochs} passes are drawn after {self.step} steps "
+                               f"({self.stream.batches_drawn} batches of {p.prompts_per_step} prompts; rl.run_length: "
+                               f"passes); a last batch short of {p.prompts_per_step} kept groups is not trained")
+                    if self.step and not self._due(p.checkpoint_every, self.step):
+                        self._checkpoint(self.step)  # a resumed run then finds nothing left to do
+                    break
                 self._record(row)
                 if self._due(p.val_every, step):
                     self._record(self._validate_shown(bar, step))
