@@ -130,17 +130,19 @@ class ProtocolParams(Section):
     the full-resolution original, rounded outwards once), `whole_pixels` (Mini-o3: each observation kept at
     full resolution as cut, each box truncated to whole pixels with its far edge trimmed, level after level) or
     `shown` (Pixel-Reasoner: cut from the image as the model was shown it, the original resized into the budget
-    and each crop as shown) or `rounded` (DeepEyes: cut from the full-resolution source, each coordinate rounded
-    as PIL's `Image.crop` rounds it, half to even; visual_toolbox_v2.py:87)."""
+    and each crop as shown) or `rounded` (DeepEyes: each coordinate rounded as PIL's `Image.crop` rounds it, half
+    to even, on the named source, and cut from the original's pixels; DeepEyes crops only the original, at full
+    resolution: visual_toolbox_v2.py:87)."""
     crop_box_checks: Literal["cut", "box"] = "cut"
     """What `min_crop_side` and `max_crop_aspect` are checked on: the cut in whole pixels (`cut`), or the clamped
     box in floats before it is rounded (`box`: DeepEyes' `validate_bbox`, visual_toolbox_v2.py:129-139,147-148,
     where a side must be above 30 px, so [10.5, 10.5, 40.5, 40.5] is refused; a side must then exceed
     `min_crop_side` - 1)."""
-    max_crop_aspect: float = Field(200.0, ge=1.0)
-    """The most elongated box a crop may be, longer side over shorter (DeepEyes: 100, visual_toolbox_v2.py:135)."""
+    max_crop_aspect: float = Field(200.0, ge=1.0, le=200.0)
+    """The most elongated box a crop may be, longer side over shorter (DeepEyes: 100, visual_toolbox_v2.py:135); at
+    most 200, past which Qwen's processors refuse an image."""
     turn_reading: Literal["first_call", "deepeyes", "mini_o3"] = "first_call"
-    """How a turn with tool calls is generated and read: `first_call` (Loupe, Mini-o3) stops generation at a
+    """How a turn with tool calls is generated and read: `first_call` (Loupe's) stops generation at a
     call's closing tag and reads that call, a call beside an answer being an error turn; `deepeyes` generates to
     the end of the turn with no stop string (parallel_env.py:121-126, ppo_trainer.yaml:128 `custom_stop: []`),
     a non-empty last `<answer>` ends the episode and no call runs, else the last call is read
@@ -207,6 +209,9 @@ class ProtocolParams(Section):
 
         if self.name not in PROTOCOLS:
             raise ValueError(f"name: unknown protocol {self.name!r}; known: {', '.join(sorted(PROTOCOLS))}")
+        if self.turn_reading == "mini_o3" and self.name not in ("mini_o3", "loupe"):
+            raise ValueError(f"turn_reading: mini_o3 reads Mini-o3's <grounding> calls; protocol {self.name!r} has "
+                             "none (use it with protocol mini_o3 or loupe)")
         return self
 
     @model_validator(mode="after")

@@ -98,7 +98,8 @@ class RetryPolicy:
     inside each attempt of a caller that keeps it (its default 2; Mini-o3's and DeepEyes' judges)."""
     rate_limit_wait_s: float | None = None
     """After a 429 that outlasted `transport_retries`: wait this long and ask again without counting an attempt,
-    as often as it takes (Mini-o3's judge: 3 s, general_qa_tool.py:86-89); None counts it like any failure."""
+    as often as it takes (Mini-o3's judge: 3 s, general_qa_tool.py:86-89); None counts it like any failure. A 429
+    that says `insufficient_quota` (OpenAI's: the account is out of credit) never clears, so it counts."""
 
     def delay(self, retry: int, retry_after: float = 0.0) -> float:
         """Seconds to wait before retry number `retry` (0-based)."""
@@ -313,7 +314,7 @@ def send_with_retries(
             time.sleep(max(retry_after, min(CLIENT_MAX_BACKOFF_S, CLIENT_BACKOFF_S * 2 ** (transport - 1))))
             continue
         transport = 0
-        if status == 429 and policy.rate_limit_wait_s is not None:
+        if status == 429 and policy.rate_limit_wait_s is not None and "insufficient_quota" not in cause:
             rate_limited += 1
             if rate_limited == 1 or rate_limited % 20 == 0:
                 log.warning("%s: rate limited (%d times so far); asking again in %.1fs, not counted as an attempt",

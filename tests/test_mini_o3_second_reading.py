@@ -424,3 +424,34 @@ def test_ids_past_the_tokenizer_are_never_drawn(tiny_model_dir):
     logits[0, known:] = 50.0  # the unnamed rows would take nearly all the mass
     tokens, _ = sample(logits, 1.0, 1.0, engine.suppressed, torch.Generator().manual_seed(0))
     assert int(tokens[0]) < known
+
+
+@pytest.mark.parametrize("turn", [
+    '<grounding>{"bbox_2d": [0.1, 0.1, 0.5, 0.5], "source": "a"}</grounding> <grounding>{"bbox_2d": [5, 6], "source": "b"}</grounding>',
+    '<grounding>{"bbox_2d": [1, 2], "source": "a"}</grounding><grounding>{"bbox_2d": broken</grounding>',
+    '<grounding>{"bbox_2d": [1, 2], "source": "a"} junk</grounding>',
+    'no call at all',
+])
+def test_the_call_is_found_where_mini_o3s_whole_pattern_finds_it(turn):
+    """The rightmost head whose rest matches, as the pattern's greedy `.*` settles on it, without its backtracking."""
+    from loupe.protocol.mini_o3 import MINI_O3_CALL_PATTERN, _mini_o3_call_match
+
+    found, expected = _mini_o3_call_match(turn), MINI_O3_CALL_PATTERN.match(turn)
+    assert (found.groups() if found else None) == (expected.groups() if expected else None)
+
+
+def test_a_quota_that_never_clears_counts_instead_of_waiting_forever(monkeypatch):
+    """Upstream would wait 3 s and ask again for ever on any RateLimitError; OpenAI's `insufficient_quota` 429
+    never clears, so here it counts like any failure and the judge gives up (the trajectory is not trained)."""
+    with FakeOpenAIServer(lambda request: "Score: 1", api_key="k") as server:
+        server.add_faults(*[Fault.status(429, message="You exceeded your current quota: insufficient_quota")] * 15)
+        judge, waits = _judge(server, monkeypatch)
+        verdict = judge.judge("What colour?", "red", "red")
+    assert not verdict.valid and verdict.attempts == 15  # 5 attempts of 3 requests each
+    assert 3.0 not in waits
+
+
+def test_a_box_too_large_for_a_float_is_an_error_turn():
+    action = make_protocol(PROTOCOL).parse('<think>t</think><grounding>{"bbox_2d": [1' + "0" * 400
+                                           + ', 0, 1, 1], "source": "original_image"}</grounding>')
+    assert action.call is None and "out of range" in action.error.detail and action.think == "t"

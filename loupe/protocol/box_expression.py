@@ -73,6 +73,9 @@ def _number(node: ast.AST) -> int | float:
 
 
 def _bounded(value: Any) -> int | float:
-    if isinstance(value, complex) or not math.isfinite(value) or abs(value) > MAX_MAGNITUDE:
-        raise BoxExpressionError("a number out of range")
+    try:
+        if isinstance(value, complex) or not math.isfinite(value) or abs(value) > MAX_MAGNITUDE:
+            raise BoxExpressionError("a number out of range")
+    except OverflowError:  # an integer literal past a float's range
+        raise BoxExpressionError("a number out of range") from None
     return value

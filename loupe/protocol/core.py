@@ -223,8 +223,8 @@ class Protocol:
     clamp_boxes: bool = False
     """Whether a box reaching outside its image is clamped onto it rather than refused (`protocol.out_of_range_boxes`)."""
     turn_reading: str = "first_call"
-    """`first_call` or `deepeyes` (`protocol.turn_reading`): which call of a turn is read, and whether an answer
-    beside a call wins."""
+    """`first_call`, `deepeyes` or `mini_o3` (`protocol.turn_reading`): which call of a turn is read and how, and
+    whether an answer beside a call wins."""
     record_prompts: bool = True
     """Whether a record's own `system` and `prompt` are shown as they are (`protocol.record_prompts`)."""
 

@@ -34,6 +34,8 @@ MINI_O3_CALL_PATTERN = re.compile(r'.*<grounding>{"bbox_2d": (.*),.*"source": [\
 """How Mini-o3's engine reads a grounding call (`process_tool_call`, vllm_async_engine.py:523-526): greedy, so the
 last `<grounding>{"bbox_2d": ` of the turn, the box up to the last comma before `"source"`, the source between
 quotes (a comma is one of its three "quote" characters). `turn_reading: mini_o3` reads calls with it."""
+_CALL_HEAD = '<grounding>{"bbox_2d": '
+_CALL_TAIL = re.compile(r'(.*),.*"source": [\',"](.*)[\',"]}</grounding>', re.DOTALL)
 MINI_O3_SOURCE_PATTERN = re.compile(r"observation_([0-9]*)", re.DOTALL)
 """Mini-o3's source names (`prepare_grounding_inputs_multi_turn`, function_tools.py:39-50), matched at the start
 only: "observation_2 (the left one)" names observation 2."""
@@ -122,7 +124,7 @@ class MiniO3Protocol(Protocol):
         """The call as Mini-o3's engine and tool read it (module constants); a box is evaluated as number
         arithmetic, never run (`loupe.protocol.box_expression`), and must then be a list of four numbers
         (function_tools.py:34)."""
-        match = MINI_O3_CALL_PATTERN.match(text)
+        match = _mini_o3_call_match(text)
         if match is None:
             raise _Invalid(FormatErrorKind.BAD_JSON, 'the grounding call does not read as {"bbox_2d": [x0, y0, x1, '
                                                      'y1], "source": "..."}')
@@ -168,6 +170,18 @@ class MiniO3Protocol(Protocol):
     def render_call(self, think: str, call: ToolCall) -> str:
         args = {"bbox_2d": _short_relative_box(call.arguments["bbox_2d"]), "source": call.arguments["source"]}
         return f"<think>{think}</think>\n{self.call_open}{json.dumps(args)}{self.call_close}"
+
+
+def _mini_o3_call_match(text: str) -> re.Match[str] | None:
+    """`MINI_O3_CALL_PATTERN.match(text)`'s groups, found without its leading `.*`, whose backtracking over a long
+    turn takes seconds: that greedy prefix settles on the rightmost `<grounding>{"bbox_2d": ` after which the rest
+    matches, so the rest is tried after each such head from the right."""
+    start = len(text)
+    while (start := text.rfind(_CALL_HEAD, 0, start)) >= 0:
+        match = _CALL_TAIL.match(text, start + len(_CALL_HEAD))
+        if match is not None:
+            return match
+    return None
 
 
 def _known_sources(num_observations: int) -> str:

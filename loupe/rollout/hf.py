@@ -302,7 +302,9 @@ class TransformersEngine(TokenContextEngine):
         and the learner's log-probs round alike). None runs the module in its own dtype."""
         super().__init__(processor, stop, temperature, top_p, batch_size)
         self.model = model.eval()
-        self.suppress_unused_ids(model.get_output_embeddings().weight.shape[0])
+        head = model.get_output_embeddings()
+        if head is not None:
+            self.suppress_unused_ids(head.weight.shape[0])
         self.compute_dtype = compute_dtype
         self.device = next(model.parameters()).device
         # Qwen2-VL-family models place image tokens with 3D (mrope) positions, as in training and vLLM: every

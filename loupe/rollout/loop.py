@@ -250,8 +250,8 @@ def _take_turn(
     trajectory.turns.append(turn)
     if generation.finish == "length":
         turn.action = "error"
-        turn.error = (f"length: the turn reached {generation.num_tokens} new tokens without finishing (at most "
-                      f"{max_new_tokens}, and the context's end: protocol.model_len)")
+        capped = "" if protocol_params.model_len is None else ", or the end of the context (protocol.model_len)"
+        turn.error = f"length: the turn reached {generation.num_tokens} new tokens without finishing (at most {max_new_tokens}{capped})"
         return "length"
 
     at_limit = trajectory.num_turns >= turn_limit or len(trajectory.images) >= protocol_params.max_images
@@ -349,4 +349,6 @@ def _append_user(
     item.trajectory.turns[-1].num_tokens = after - before
     if after + max_new_tokens > protocol_params.max_context_tokens:
         return "over_turn"
+    if protocol_params.model_len is not None and after >= protocol_params.model_len:
+        return "over_turn"  # no room left in the engine's context for a single token
     return None

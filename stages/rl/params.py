@@ -254,7 +254,8 @@ class RLParams(Section):
     prompt stream makes `epochs` passes over the train split, each pass in a new order with its last partial batch
     dropped, and each generation round of dynamic sampling takes a batch of them; the run ends when the passes
     are drawn (a step still short of `prompts_per_step` kept groups then is not trained) or at the steps above,
-    whichever comes first. With half the groups uniform, a run trains about half the steps `steps` gives."""
+    whichever comes first. With half the groups uniform, a run trains about half the steps `steps` gives. As in
+    verl's loop, a run that ends this way is not validated after its last step unless that step was due."""
     max_turns: int | None = Field(None, ge=1)
     """Assistant turns per trajectory in training; None keeps protocol.max_turns (Mini-o3: 6)."""
     max_new_tokens: int | None = Field(None, ge=1)
@@ -281,8 +282,8 @@ class RLParams(Section):
     micro-batches (verl's token-mean as DeepEyes runs it, 4 sequences a micro-batch); auto: the estimator's."""
     masked_rows_in_loss: bool = False
     """Whether a row trained on no token (an over-turn or cut trajectory masked whole) stays in its mini-batch,
-    counted in the divisor of `seq_mean_token_mean` (and among `micro_token_mean`'s micro-batches' rows), as
-    verl keeps it there with a zero mask (Mini-o3: dp_actor.py:284-286,316-322,394); false leaves it out."""
+    counted in the divisor of `seq_mean_token_mean`, as verl keeps it there with a zero mask (Mini-o3:
+    dp_actor.py:284-286,316-322,394); false leaves it out. Micro-batches are formed of trained rows either way."""
     gspo_variant: Literal["sequence", "token"] = "sequence"
     """gspo only: `sequence` clips each sequence's length-normalised ratio (GSPO); `token` is GSPO-token, whose
     token ratio has the sequence ratio's value and its own token's gradient (equal to GSPO when every token of a

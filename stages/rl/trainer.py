@@ -253,7 +253,8 @@ class Trainer:
             groups = [trajectories[g : g + n] for g in range(0, len(trajectories), n)]
             timing["groups_seen"] += len(groups)
             if p.invalid_reward == "group":  # Mini-o3: a judge failure drops its prompt's whole group
-                groups = [group for group in groups if all(t.rewards.get("valid", True) for t in group)]
+                groups = [group for group in groups
+                          if all(t.rewards.get("valid", True) and t.rewards.get("total") is not None for t in group)]
             if p.dynamic_sampling.enabled:
                 flat = [t for g in groups for t in g]
                 labels = [g for g, group in enumerate(groups) for _ in group]
@@ -546,8 +547,8 @@ class Trainer:
                     tqdm.write(f"rl: the train split's {p.epochs} passes are drawn after {self.step} steps "
                                f"({self.stream.batches_drawn} batches of {p.prompts_per_step} prompts; rl.run_length: "
                                f"passes); a last batch short of {p.prompts_per_step} kept groups is not trained")
-                    if self.step and not self._due(p.checkpoint_every, self.step):
-                        self._checkpoint(self.step)  # a resumed run then finds nothing left to do
+                    if self.step:  # the stream's position past the untrained draws: a resumed run finds nothing left
+                        self._checkpoint(self.step)
                     break
                 self._record(row)
                 if self._due(p.val_every, step):
