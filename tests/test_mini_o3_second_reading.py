@@ -455,3 +455,37 @@ def test_a_box_too_large_for_a_float_is_an_error_turn():
     action = make_protocol(PROTOCOL).parse('<think>t</think><grounding>{"bbox_2d": [1' + "0" * 400
                                            + ', 0, 1, 1], "source": "original_image"}</grounding>')
     assert action.call is None and "out of range" in action.error.detail and action.think == "t"
+
+
+def test_a_passes_run_ends_when_its_prompts_are_drawn_and_resumes_to_nothing_left(tiny_model_dir, tmp_path):
+    """The rl stage itself with `run_length: passes`: 10 toy prompts, 4 a batch, 3 passes, dynamic sampling on.
+    However many groups the toy keeps, the stream ends after 3 x 2 whole batches (each pass's last 2 prompts
+    dropped: position 28), no step draws more, the model and metrics are written, and a second run on the same
+    folder resumes to nothing left to do."""
+    import json
+
+    import yaml
+    from rl_helpers import make_toy_tasks, write_params
+
+    from stages.rl import __main__ as rl_main
+    from stages.rl.checkpoint import latest_checkpoint, load_checkpoint
+
+    tasks = make_toy_tasks(tmp_path / "toy", count=10)
+    params = write_params(tmp_path / "params.yaml", {
+        "prompts_per_step": 4, "samples_per_prompt": 2, "epochs": 3, "run_length": "passes", "checkpoint_every": 4,
+        "dynamic_sampling": {"enabled": True, "max_tries": 256}})
+    data = yaml.safe_load(params.read_text())
+    del data["rl"]["steps"]  # the bound comes from the split: 3 passes x 2 whole batches
+    params.write_text(yaml.safe_dump(data))
+    out = tmp_path / "out"
+    rl_main.train(params, tiny_model_dir, tasks, out, progress=False)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [row for row in rows if row["kind"] == "train"]
+    assert 1 <= len(train) <= 6 and sum(row["batch/tries"] for row in train) <= 6
+    assert all(row["stream/batches_drawn"] <= 6 for row in train)
+    _, state = load_checkpoint(latest_checkpoint(out))
+    assert int(state["step"]) == len(train) and int(state["stream_position"]) == 28
+    assert (out / "model" / "config.json").is_file() and json.loads((out / "metrics.json").read_text())
+    rl_main.train(params, tiny_model_dir, tasks, out, progress=False)
+    again = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert again == rows
