@@ -4,8 +4,9 @@ its publisher's layout (tests/published_data.py), imported with `loupe data impo
 
 - Mini-o3's and DeepEyes' CPU twins run end to end, their RL reading the imported folder; Mini-o3's validates on
   a split made from a VisualProbe copy (`--val-benchmark`); DeepEyes' rows keep their sources, tool flags and
-  judge questions: a row without `env_name` answers in one turn, and a ThinkLite row is judged by the math judge
-  (a loopback judge that counts what it is asked).
+  judge questions: a row without `env_name` answers in one turn, a V* or chart row is judged by DeepEyes' own
+  judge with its `extra_info.question`, and a ThinkLite row by `compute_score_math`, whose judge sees only a
+  `\\boxed{}` answer (a loopback judge that counts what it is asked).
 - R1-V, EasyR1, LMM-R1 and Pixel-Reasoner each run two RL steps from their import, on the tiny model, with their
   reward rules reading the imported answers; Pixel-Reasoner's validates on a benchmark's split.
 
@@ -100,19 +101,31 @@ def test_the_mini_o3_twin_trains_from_its_published_json_lists_and_validates_on_
 @pytest.mark.slow
 @pytest.mark.timeout(2400)
 def test_the_deepeyes_twin_trains_from_its_parquet_with_each_row_s_source_tool_flag_and_judge(tmp_path):
+    """The twin's visual rows are judged as the preset judges them (free_form_match deepeyes and DeepEyes' judge,
+    not the twin's exact match), so each row's source shows in whom it asks: V* and chart rows ask get_prompt's
+    judge their own `extra_info.question`; ThinkLite rows never do. The tiny model answers in <answer> tags, never
+    `\\boxed{}`, so compute_score_math scores a ThinkLite row wrong with a format error (1.2 x 0 + 0.4 x -1)
+    without asking its judge, as upstream's vl_agent.py:388-415 does."""
     from tests.fake_openai import FakeOpenAIServer
 
-    asked: list[str] = []
+    asked: dict[str, list[str]] = {"visual": [], "math": []}
 
-    def math_judge(request: dict) -> str:  # DeepEyes' MATH_VERIFY_PROMPT: TRUE when the reference is the answer
+    def judges(request: dict) -> str:
         text = request["messages"][-1]["content"]
-        question = text.split("**Question**:\n")[1].split("\n\n**Reference Answer**")[0]
-        reference = text.split("**Reference Answer**\n")[1].split("\n\n## Student Final Answer")[0].strip()
-        answer = text.split("## Student Final Answer\n")[1].strip()
-        asked.append(question)
-        return "## Equivalence Judgement\n" + ("TRUE" if reference.lower() in answer.lower() else "FALSE")
+        if "**Reference Answer**" in text:  # MATH_VERIFY_PROMPT
+            question = text.split("**Question**:\n")[1].split("\n\n**Reference Answer**")[0]
+            reference = text.split("**Reference Answer**\n")[1].split("\n\n## Student Final Answer")[0].strip()
+            answer = text.split("## Student Final Answer\n")[1].strip()
+            asked["math"].append(question)
+            return "## Equivalence Judgement\n" + ("TRUE" if reference.lower() in answer.lower() else "FALSE")
+        # get_prompt's few-shot prompt: the case to judge is its last block
+        question = text.rsplit("[Question]: ", 1)[1].split("\n[Standard Answer]: ")[0]
+        reference = text.rsplit("[Standard Answer]: ", 1)[1].split("\n[Model_answer] : ")[0]
+        answer = text.rsplit("[Model_answer] : ", 1)[1].split("\nJudgement:")[0]
+        asked["visual"].append(question)
+        return "Judgement: " + ("1" if reference.lower() in answer.lower() else "0")
 
-    with FakeOpenAIServer(math_judge, api_key="sk-judge") as judge:
+    with FakeOpenAIServer(judges, api_key="sk-judge") as judge:
         clone, env = _clone(tmp_path, {"JUDGE_API_KEY": "sk-judge"})
         tasks = _twin_tasks(clone, "deepeyes-cpu", tmp_path / "zoom")["train"]
         folder = tmp_path / "DeepEyes-Datasets-47k"
@@ -124,8 +137,13 @@ def test_the_deepeyes_twin_trains_from_its_parquet_with_each_row_s_source_tool_f
         write_deepeyes(folder / "data_thinklite_reasoning_acc.parquet", thinklite)
         _loupe(clone, env, "data", "import", "deepeyes", "--train", str(folder), "--val-size", "32",
                "--out", "data/deepeyes-rl")
+        visual_judge = json.dumps({  # the preset's judge (params/deepeyes.yaml), at the loopback judge
+            "base_url": judge.base_url, "model": "judge", "api_key_env": "JUDGE_API_KEY",
+            "system_prompt": "You are a helpful assistant.", "prompt_template": "params/templates/judge_deepeyes.jinja",
+            "verdict": "judgement", "temperature": 0.3, "cache": False})
         _loupe(clone, env, "run", "--params", "params/deepeyes-cpu.yaml",
                "pipeline.rl_stages=[{name: rl, tasks: data/deepeyes-rl}]",
+               "rl.reward.free_form_match=deepeyes", f"rl.reward.judge={visual_judge}",
                f"rl.reward.by_data_source.thinklite_eureka.judge.base_url={judge.base_url}")
     work = clone / "work" / "runs" / "deepeyes-cpu" / "work"
     # The twin's reward is its own test's to judge (tests/test_recipes_slow.py; at this scale DeepEyes' RL learns
@@ -138,8 +156,16 @@ def test_the_deepeyes_twin_trains_from_its_parquet_with_each_row_s_source_tool_f
     assert tool_less and set(tool_less) == {1.0}, "an env_name-less row answers in one turn"
     assert with_tool and max(with_tool) > 1.0, "a visual_toolbox_v2 row may zoom"
     thinklite_questions = {q.text for q in tasks[-fifth:]}
-    assert asked and set(asked) <= thinklite_questions, "only ThinkLite rows reach the math judge, with their question"
-    print(f"\ndeepeyes-cpu from its parquet: reward {first:.3f} -> {last:.3f}; {len(asked)} judge requests; "
+    visual_questions = {q.text for q in tasks[:-fifth]}
+    assert asked["visual"] and set(asked["visual"]) <= visual_questions, \
+        "V* and chart rows, and only they, ask DeepEyes' judge, with their extra_info.question"
+    assert set(asked["math"]) <= thinklite_questions, "only ThinkLite rows reach the math judge"
+    thinklite_totals = {round(row["by_kind/thinklite_eureka/total"], 6) for row in train
+                        if "by_kind/thinklite_eureka/total" in row}
+    if not asked["math"]:  # no \boxed{} written: compute_score_math's format error alone
+        assert thinklite_totals == {-0.4}, thinklite_totals
+    print(f"\ndeepeyes-cpu from its parquet: reward {first:.3f} -> {last:.3f}; judge requests: "
+          f"{len(asked['visual'])} visual, {len(asked['math'])} math; ThinkLite totals {sorted(thinklite_totals)}; "
           f"turns: thinklite {tool_less[-1]}, vstar {with_tool[-1]:.2f}")
 
 
