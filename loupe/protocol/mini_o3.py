@@ -43,7 +43,7 @@ only: "observation_2 (the left one)" names observation 2."""
 # --- Mini-o3 compatibility constants ------------------------------------------------------------------------
 # Byte for byte from github.com/Mini-o3/Mini-o3 (commit 8654dbf), verl/trainer/constants.py, because Mini-o3's
 # checkpoints were trained on exactly these strings. Their typos ("the the", "Countinue") are part of them.
-# tests/test_protocol.py holds each constant equal to a copy written from that file.
+# tests/test_protocol_variants.py holds each constant equal to a copy written from that file.
 
 MINI_O3_SYSTEM_PROMPT = (
     "You are a helpful assistant. Answer the user's question based on the image provided. Output your thinking "

@@ -29,7 +29,7 @@ from loupe.protocol.single_turn import last_boxed
 # Prompt strings of TIGER-AI-Lab/Pixel-Reasoner (commit a3a6c3a), curiosity_driven_rl/: the tools' schemas and the
 # turns its rollout writes (openrlhf/trainer/ppo_utils/experience_maker.py), in the Nous function-calling frame
 # of Qwen-Agent (qwen_agent/llm/fncall_prompts/nous_fncall_prompt.py, commit 31a4d36), because its warm-start
-# checkpoint was trained on exactly this text. They are data, reproduced; tests/test_protocol.py checks them.
+# checkpoint was trained on exactly this text. They are data, reproduced; tests/test_protocol_variants.py checks them.
 
 PIXEL_REASONER_TOOLS = (
     {"type": "function", "function": {
