@@ -1,5 +1,6 @@
 """The LLM judge against malformed HTTP 200 replies, damaged cache entries and the API-key rule, over a real
-OpenAI-compatible server on loopback (tests/fake_openai.py). The judge's other behaviour is in test_reward_scoring.py."""
+OpenAI-compatible server on loopback (tests/fake_openai.py). The judge's other behaviour is in
+test_reward_scoring.py."""
 
 from __future__ import annotations
 
