@@ -1,4 +1,5 @@
-"""Shared fixtures: the embedded tiny model and a small synthetic task set, each built once per test session."""
+"""Shared fixtures: the embedded tiny model and a small synthetic task set, each built once per test session, and
+the tool tests' images."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -42,3 +44,22 @@ def family_model_dirs(tmp_path_factory) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("families")
     return {family: build_tiny_model(root / family, seed=0, family=family) for family in FAMILIES}
+
+
+@pytest.fixture
+def noise() -> Image.Image:
+    """1120x896 RGB noise: any crop of it shows whether the right pixels came back."""
+    from tests.tool_cases import noise_image
+
+    return noise_image(1120, 896)
+
+
+@pytest.fixture
+def square_image() -> Image.Image:
+    """White 1000x800 with a red square at x 200..300, y 100..200 and a blue one at x 600..700, y 500..600."""
+    from tests.tool_cases import BLUE, RED, WHITE
+
+    image = Image.new("RGB", (1000, 800), WHITE)
+    image.paste(RED, (200, 100, 300, 200))
+    image.paste(BLUE, (600, 500, 700, 600))
+    return image
