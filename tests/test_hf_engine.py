@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from PIL import Image
@@ -11,8 +10,9 @@ from loupe.config import ProtocolParams
 from loupe.data.tasks import TaskRecord
 from loupe.models import load_model, load_processor
 from loupe.protocol import get_protocol
-from loupe.rollout.hf import TransformersEngine, learn_turn_markup
+from loupe.rollout.hf import TransformersEngine
 from loupe.rollout.loop import run_rollouts
+from loupe.rollout.turn_markup import learn_turn_markup
 
 
 @pytest.fixture(scope="module")

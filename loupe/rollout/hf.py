@@ -41,53 +41,12 @@ from loupe.rollout.kv_batch import (
     sample,
 )
 from loupe.rollout.linear_attention import continuing
+from loupe.rollout.turn_markup import learn_turn_markup
 
-_MARK = "\x00LOUPE\x00"
 _STOP_WINDOW = 16
+"""Tokens at the end of a turn decoded to look for a stop string (every stop string is far shorter)."""
 _ADMIT_FREE = 0.25
 """Queued turns join the running batch once this fraction of its slots is free (or it is empty)."""
-"""Tokens at the end of a turn decoded to look for a stop string (every stop string is far shorter)."""
-
-
-@dataclass(frozen=True)
-class TurnMarkup:
-    """Text the chat template puts around a user turn once the dialogue has started."""
-
-    close_assistant: str
-    """What follows an assistant message's text (e.g. '<|im_end|>\\n')."""
-    user_prefix: str
-    """From the start of a user turn to its content (e.g. '<|im_start|>user\\n')."""
-    user_suffix: str
-    """From the end of the user content through the next assistant turn's opening."""
-    image: str
-    """How one image renders inside a message (e.g. '<|vision_start|><|image_pad|><|vision_end|>')."""
-
-
-def learn_turn_markup(processor: Any) -> TurnMarkup:
-    """Derive the per-turn markup from the processor's chat template."""
-
-    def render(messages: list[dict[str, Any]], generation_prompt: bool) -> str:
-        return processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-
-    def text(t: str) -> dict[str, Any]:
-        return {"type": "text", "text": t}
-
-    base = [
-        {"role": "system", "content": [text("S")]},
-        {"role": "user", "content": [text("Q")]},
-        {"role": "assistant", "content": [text(_MARK)]},
-    ]
-    closed = render(base, False)
-    close_assistant = closed[closed.rindex(_MARK) + len(_MARK) :]
-    extended = render(base + [{"role": "user", "content": [text(_MARK)]}], True)
-    if not extended.startswith(closed):
-        raise ValueError("the chat template re-renders earlier turns; token-in/token-out needs a prefix-stable template")
-    user_prefix, user_suffix = extended[len(closed) :].split(_MARK)
-    with_image = render(base + [{"role": "user", "content": [{"type": "image"}, text(_MARK)]}], True)
-    image = with_image[len(closed) + len(user_prefix) : with_image.rindex(_MARK)]
-    if not image:
-        raise ValueError("the chat template renders no image marker")
-    return TurnMarkup(close_assistant, user_prefix, user_suffix, image)
 
 
 @dataclass
