@@ -242,22 +242,17 @@ def test_run_tool_with_non_object_arguments_is_a_tool_error(noise):
     assert isinstance(result, ToolError) and result.kind == ToolErrorKind.BAD_ARGUMENTS
 
 
-def test_a_parsed_mini_o3_call_runs_through_run_tool(square_image):
-    action = get_protocol("mini_o3").parse(
-        '<think>red</think><grounding>{"bbox_2d": [0.2, 0.125, 0.3, 0.25], "source": "original_image"}</grounding>'
-    )
+@pytest.mark.parametrize("protocol, turn, box_px, colour", [
+    ("mini_o3", '<think>red</think><grounding>{"bbox_2d": [0.2, 0.125, 0.3, 0.25], "source": "original_image"}'
+                "</grounding>", (200, 100, 300, 200), RED),
+    ("deepeyes", '<tool_call>{"name": "image_zoom_in_tool", "arguments": {"bbox_2d": [600, 500, 700, 600]}}'
+                 "</tool_call>", (600, 500, 700, 600), BLUE),
+])
+def test_a_parsed_call_runs_through_run_tool(square_image, protocol, turn, box_px, colour):
+    action = get_protocol(protocol).parse(turn)
     result = run_tool(action.call, ImageSession(original=square_image), PixelBudget())
-    assert isinstance(result, CropResult) and result.box_px == (200, 100, 300, 200)
-    assert all(near(c, RED) for _, c in result.image.getcolors(1 << 16))
-
-
-def test_a_parsed_deepeyes_call_runs_through_run_tool(square_image):
-    action = get_protocol("deepeyes").parse(
-        '<tool_call>{"name": "image_zoom_in_tool", "arguments": {"bbox_2d": [600, 500, 700, 600]}}</tool_call>'
-    )
-    result = run_tool(action.call, ImageSession(original=square_image), PixelBudget())
-    assert isinstance(result, CropResult) and result.box_px == (600, 500, 700, 600)
-    assert all(near(c, BLUE) for _, c in result.image.getcolors(1 << 16))
+    assert isinstance(result, CropResult) and result.box_px == box_px
+    assert all(near(c, colour) for _, c in result.image.getcolors(1 << 16))
 
 
 def quarter_turn(session: ImageSession, arguments: dict, budget: PixelBudget) -> CropResult | ToolError:
