@@ -243,10 +243,10 @@ def test_run_tool_with_non_object_arguments_is_a_tool_error(noise):
 
 
 @pytest.mark.parametrize("protocol, turn, box_px, colour", [
-    ("mini_o3", '<think>red</think><grounding>{"bbox_2d": [0.2, 0.125, 0.3, 0.25], "source": "original_image"}'
-                "</grounding>", (200, 100, 300, 200), RED),
-    ("deepeyes", '<tool_call>{"name": "image_zoom_in_tool", "arguments": {"bbox_2d": [600, 500, 700, 600]}}'
-                 "</tool_call>", (600, 500, 700, 600), BLUE),
+    ("mini_o3", ('<think>red</think><grounding>{"bbox_2d": [0.2, 0.125, 0.3, 0.25], "source": "original_image"}'
+                 "</grounding>"), (200, 100, 300, 200), RED),
+    ("deepeyes", ('<tool_call>{"name": "image_zoom_in_tool", "arguments": {"bbox_2d": [600, 500, 700, 600]}}'
+                  "</tool_call>"), (600, 500, 700, 600), BLUE),
 ])
 def test_a_parsed_call_runs_through_run_tool(square_image, protocol, turn, box_px, colour):
     action = get_protocol(protocol).parse(turn)
