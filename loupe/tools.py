@@ -176,26 +176,25 @@ def fit_image(image: Image.Image, budget: PixelBudget) -> Image.Image:
 def mini_o3_resize(image: Image.Image, budget: PixelBudget,
                    resample: Image.Resampling = Image.Resampling.NEAREST) -> Image.Image:
     """Mini-o3's `process_image` (verl/workers/rollout/vllm_rollout/vllm_async_engine.py:189-223), which its
-    engine applies to every crop (`:551`) before the processor sees it: NEAREST throughout, the area scaled by a
-    square root into [min_pixels, max_pixels] with `int()` sides, a side under 28 px scaled up to 28 (+1), an
-    aspect of 200 or more squeezed to 190. Its output is not on Qwen's 28-px grid; the processor's own resize
+    engine applies to every crop (`:551`) before the processor sees it: `resample` (NEAREST) throughout, the
+    area scaled by a square root into [min_pixels, max_pixels] with `int()` sides, a side under 28 px scaled up
+    to 28 (+1), an aspect of 200 or more squeezed to 190. Its output is not on Qwen's 28-px grid; the processor's own resize
     (bicubic, `smart_resize`) follows, in `fit_crop`. The question's image goes through the dataset's own
     `process_image` (multimodal_dataset.py:79-113): the same two area steps with `resample` LANCZOS, and an
     assertion, not a fix, for a side under 28 px (there the fix below is never reached for real images)."""
-    nearest = resample
     if image.width * image.height > budget.max_pixels:
         factor = math.sqrt(budget.max_pixels / (image.width * image.height))
-        image = image.resize((int(image.width * factor), int(image.height * factor)), resample=nearest)
+        image = image.resize((int(image.width * factor), int(image.height * factor)), resample=resample)
     if image.width * image.height < budget.min_pixels:
         factor = math.sqrt(budget.min_pixels / (image.width * image.height))
-        image = image.resize((int(image.width * factor), int(image.height * factor)), resample=nearest)
+        image = image.resize((int(image.width * factor), int(image.height * factor)), resample=resample)
     if image.width < 28 or image.height < 28:
         factor = 28 / min(image.width, image.height)
-        image = image.resize((int(image.width * factor + 1), int(image.height * factor + 1)), resample=nearest)
+        image = image.resize((int(image.width * factor + 1), int(image.height * factor + 1)), resample=resample)
     if image.width / image.height >= 200:
-        image = image.resize((image.width, int(image.width / 190 + 1)), resample=nearest)
+        image = image.resize((image.width, int(image.width / 190 + 1)), resample=resample)
     if image.height / image.width >= 200:
-        image = image.resize((int(image.height / 190 + 1), image.height), resample=nearest)
+        image = image.resize((int(image.height / 190 + 1), image.height), resample=resample)
     return image
 
 

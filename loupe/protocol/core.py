@@ -359,8 +359,7 @@ class Protocol:
         if not self.call_open:
             return False
         if self.turn_reading == "deepeyes":
-            pattern = re.compile(re.escape(self.call_open) + "(.*?)" + re.escape(self.call_close), re.DOTALL)
-            calls = pattern.findall(text)
+            calls = self._complete_calls(text)
             return bool(calls and calls[-1])
         if self.turn_reading == "mini_o3":
             return self.holds_call_span(text)
@@ -398,11 +397,14 @@ class Protocol:
         answers = _ANSWER.findall(text)
         if answers and answers[-1]:  # upstream's `if answer:`: white space alone counts as an answer
             return Action(think=extract_think(text), answer=answers[-1].strip())
-        pattern = re.compile(re.escape(self.call_open) + "(.*?)" + re.escape(self.call_close), re.DOTALL)
-        calls = pattern.findall(text)
+        calls = self._complete_calls(text)
         if not calls or not calls[-1]:  # upstream's `if not action:`: an empty last call ends it too (:63-65)
             raise _Invalid(FormatErrorKind.NO_ACTION, "the turn holds neither a tool call nor <answer>…</answer>")
         return Action(think=extract_think(text), call=self._read_call(calls[-1], num_observations))
+
+    def _complete_calls(self, text: str) -> list[str]:
+        """What each complete call span of the turn holds, in order (DeepEyes' reading: visual_toolbox_v2.py:43-44)."""
+        return re.findall(re.escape(self.call_open) + "(.*?)" + re.escape(self.call_close), text, re.DOTALL)
 
     def _read_call(self, payload: str, num_observations: int) -> ToolCall:
         """The tool call inside the variant's call tags; raises _Invalid on anything malformed."""
