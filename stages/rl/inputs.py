@@ -133,7 +133,7 @@ def prompts_within(tasks: list[TaskRecord], tokenizer: Any, protocol_params: Pro
         messages = [{"role": "system", "content": protocol.task_system_prompt(task)},
                     {"role": "user", "content": protocol.question_text(task)}]
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids  # transformers 5 returns a BatchEncoding
         if len(ids) <= limit:
             kept.append(task)
     if len(kept) < len(tasks):
