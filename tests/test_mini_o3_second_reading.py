@@ -424,6 +424,10 @@ def test_ids_past_the_tokenizer_are_never_drawn(tiny_model_dir):
     logits[0, known:] = 50.0  # the unnamed rows would take nearly all the mass
     tokens, _ = sample(logits, 1.0, 1.0, engine.suppressed, torch.Generator().manual_seed(0))
     assert int(tokens[0]) < known
+    index = engine._suppressed_on(logits.device)  # what the decode step masks, rebuilt for the longer list
+    assert index.tolist() == engine.suppressed and set(range(known, known + 4)) <= set(index.tolist())
+    tokens, _ = sample(logits, 1.0, 1.0, index, torch.Generator().manual_seed(0))
+    assert int(tokens[0]) < known
 
 
 @pytest.mark.parametrize("turn", [

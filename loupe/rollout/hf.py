@@ -96,6 +96,7 @@ class TokenContextEngine(Engine):
         markers = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
         ids = {self.tokenizer.convert_tokens_to_ids(m) for m in markers}
         self.suppressed = sorted(i for i in ids if isinstance(i, int) and i >= 0 and i != self.tokenizer.unk_token_id)
+        self._suppressed_index: torch.Tensor | None = None
         self._expands_placeholders = self._check_direct_encoding()
 
     def suppress_unused_ids(self, vocab_size: int) -> None:
@@ -106,6 +107,15 @@ class TokenContextEngine(Engine):
         known = len(self.tokenizer)
         if vocab_size > known:
             self.suppressed = sorted(set(self.suppressed) | set(range(known, vocab_size)))
+
+    def _suppressed_on(self, device: torch.device) -> torch.Tensor:
+        """`suppressed` as an index tensor on `device`, built once: the decode step masks it every token (a
+        7B's unnamed rows are about 400 ids)."""
+        cached = self._suppressed_index
+        if cached is None or cached.device != device or cached.numel() != len(self.suppressed):
+            cached = torch.tensor(self.suppressed, dtype=torch.long, device=device)
+            self._suppressed_index = cached
+        return cached
 
     # --- building the context -------------------------------------------------------------------------------
 
@@ -518,7 +528,8 @@ class TransformersEngine(TokenContextEngine):
         if self.later_temperature is not None:  # one per row: a dialogue's first turn, or a later one
             temperature = torch.tensor([[self.temperature_for(not any(row.state.trace.generated))]
                                         for row in batch.rows], device=logits.device)
-        tokens, logprobs = sample(logits, temperature, self.top_p, self.suppressed, self.generator, self.top_k)
+        tokens, logprobs = sample(logits, temperature, self.top_p, self._suppressed_on(logits.device), self.generator,
+                                  self.top_k)
         for row, token, logprob in zip(batch.rows, tokens.tolist(), logprobs.tolist()):
             if row.finish:  # a static batch's ended row, fed padding until the batch ends
                 continue

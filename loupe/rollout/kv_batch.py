@@ -270,7 +270,7 @@ class Positions:
         return stacked if self.dims == 3 else stacked[0]
 
 
-def sample(logits: torch.Tensor, temperature: float | torch.Tensor, top_p: float, suppressed: list[int],
+def sample(logits: torch.Tensor, temperature: float | torch.Tensor, top_p: float, suppressed: list[int] | torch.Tensor,
            generator: torch.Generator, top_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Next tokens of (rows, vocab) logits and their log-probs.
 
@@ -295,7 +295,7 @@ def sample(logits: torch.Tensor, temperature: float | torch.Tensor, top_p: float
     scale = temperature if temperature > 0 else 1.0
     logprobs = (logits.float() / scale).log_softmax(-1)
     scores = logprobs.clone()
-    if suppressed:
+    if len(suppressed):
         scores[:, suppressed] = float("-inf")
     if temperature <= 0:
         tokens = scores.argmax(-1)
