@@ -406,6 +406,21 @@ def test_a_turn_is_capped_where_vllms_context_ends(tmp_path):
     assert PRESET["protocol"]["model_len"] == 32768
 
 
+def test_a_prompt_that_fills_vllms_context_is_over_turn_before_any_turn(tmp_path):
+    """A question whose prompt already takes the whole context (vLLM would refuse the request) ends over-turn
+    without a turn generated, as a later turn that fills it does. The scripted prompt is 100 tokens."""
+    Image.new("RGB", (1000, 800)).save(tmp_path / "scene.png")
+    task = TaskRecord(doc_id="t", images=["scene.png"], problem="<image>\nWhat colour?", solution="red")
+    engine = _RecordingEngine([["<answer>red</answer>"]])
+    params = PROTOCOL.model_copy(update={"model_len": 100, "max_context_tokens": 1000})
+    [trajectory] = run_rollouts([task], engine, params, tmp_path, max_turns=3, max_new_tokens=256)
+    assert engine.budgets == [] and trajectory.end_reason == "over_turn"
+    [trajectory] = run_rollouts([task], _RecordingEngine([["<answer>red</answer>"]]),
+                                params.model_copy(update={"model_len": 101}), tmp_path, max_turns=3,
+                                max_new_tokens=256)
+    assert trajectory.end_reason == "answered"
+
+
 def test_ids_past_the_tokenizer_are_never_drawn(tiny_model_dir):
     """eng:677-679: Mini-o3 drops sampled ids above 151,664 (embedding rows no token names) from the turn; Loupe's
     engines never draw one (`suppress_unused_ids`: the transformers engine from its embedding's rows, vLLM from

@@ -153,7 +153,7 @@ class Rollout:
             session = ImageSession(original=originals[0] if originals else None,
                                    shown_original=shown[0] if shown else None, frames=frames)
             item = _Live(trajectory, session, state, protocol_params.format_error_retries)
-            if trajectory.prompt_tokens + self.max_new_tokens > protocol_params.max_context_tokens:
+            if context_full(trajectory.prompt_tokens, protocol_params, self.max_new_tokens):
                 self._finish(item, "over_turn")
             else:
                 live.append(item)
@@ -347,8 +347,12 @@ def _append_user(
     engine.add_user_turn(item.state, text, images)
     after = engine.context_length(item.state)
     item.trajectory.turns[-1].num_tokens = after - before
-    if after + max_new_tokens > protocol_params.max_context_tokens:
-        return "over_turn"
-    if protocol_params.model_len is not None and after >= protocol_params.model_len:
-        return "over_turn"  # no room left in the engine's context for a single token
-    return None
+    return "over_turn" if context_full(after, protocol_params, max_new_tokens) else None
+
+
+def context_full(tokens: int, protocol_params: ProtocolParams, max_new_tokens: int) -> bool:
+    """Whether a dialogue of `tokens` has no room for its next turn: a whole turn would pass
+    `protocol.max_context_tokens`, or the engine's context (`protocol.model_len`) has no token left."""
+    if tokens + max_new_tokens > protocol_params.max_context_tokens:
+        return True
+    return protocol_params.model_len is not None and tokens >= protocol_params.model_len
