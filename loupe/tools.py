@@ -54,9 +54,9 @@ otherwise (`PixelBudget.processor_pixels`)."""
 
 
 CROP_CUTS = ("composed", "whole_pixels", "shown", "rounded")
+"""How a crop's pixels are cut (`PixelBudget.crop_cut`); the `crop` docstring says what each does."""
 CROP_RESAMPLES = ("bicubic", "mini_o3")
 """How a crop is resized for the model (`protocol.crop_resample`, `fit_crop`)."""
-"""How a crop's pixels are cut (`PixelBudget.crop_cut`); the `crop` docstring says what each does."""
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ class PixelBudget:
     """Added to each side of a box before it is cut, as a fraction of the source's side, then clamped to the
     source (Pixel-Reasoner's `crop_image_normalized`: 0.1)."""
     crop_cut: str = "composed"
-    """Whose pixels a crop is cut from and how it is rounded: `composed`, `whole_pixels` or `shown` (`crop`)."""
+    """Whose pixels a crop is cut from and how it is rounded: one of `CROP_CUTS` (`crop`)."""
     crop_resample: str = "bicubic"
     """How a crop is resized into the budget: `bicubic` (straight to Qwen's size) or `mini_o3` (`fit_crop`)."""
     factor: int = IMAGE_FACTOR

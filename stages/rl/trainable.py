@@ -23,9 +23,14 @@ def wrote_vision_marker(t: Trajectory, markers: frozenset[int]) -> bool:
     return trace is not None and any(g and i in markers for i, g in zip(trace.input_ids, trace.generated))
 
 
+def reward_valid(t: Trajectory) -> bool:
+    """Whether the trajectory's reward was computed: a judge that failed leaves it invalid or without a total."""
+    return bool(t.rewards.get("valid", True)) and t.rewards.get("total") is not None
+
+
 def _trainable(t: Trajectory, params: RLParams, markers: frozenset[int] = frozenset()) -> tuple[bool, bool]:
     """(trained?, counted in its group's statistics?) for a scored trajectory."""
-    valid = bool(t.rewards.get("valid", True)) and t.rewards.get("total") is not None
+    valid = reward_valid(t)
     over = t.end_reason == "over_turn"
     # DAPO's overlong filter masks the loss of a cut trajectory; its reward still counts in the group's statistics,
     # as verl's DAPO trainer computes them over every sample.

@@ -61,7 +61,12 @@ from stages.rl.shaping import (
     overlong_penalty,
     token_rewards,
 )
-from stages.rl.trainable import _trainable, to_sequence, wrote_vision_marker
+from stages.rl.trainable import (
+    _trainable,
+    reward_valid,
+    to_sequence,
+    wrote_vision_marker,
+)
 from stages.rl.ttrl import PseudoLabeler
 
 TTRL_STATE = "ttrl_buffer.json"
@@ -253,8 +258,7 @@ class Trainer:
             groups = [trajectories[g : g + n] for g in range(0, len(trajectories), n)]
             timing["groups_seen"] += len(groups)
             if p.invalid_reward == "group":  # Mini-o3: a judge failure drops its prompt's whole group
-                groups = [group for group in groups
-                          if all(t.rewards.get("valid", True) and t.rewards.get("total") is not None for t in group)]
+                groups = [group for group in groups if all(reward_valid(t) for t in group)]
             if p.dynamic_sampling.enabled:
                 flat = [t for g in groups for t in g]
                 labels = [g for g, group in enumerate(groups) for _ in group]
@@ -413,6 +417,8 @@ class Trainer:
                 for s, a in zip(sequences, advantages):
                     s.advantage = float(a)
             train_policy = not (p.recipe.critic and step <= p.critic.warmup_steps)
+            # chosen here, before a learner group shares rows out by rank, so untrained rows neither travel nor
+            # unbalance the shares (the learner's own choice covers a direct caller)
             rows = sequences if p.masked_rows_in_loss else trained
             update = self.learner.update(rows, train_policy=train_policy, lr=self._conservative_lr())
             if self.workers.sleeps:  # a colocated vLLM is about to take its memory back
