@@ -132,6 +132,17 @@ def test_the_rotate_tool_turns_the_original_and_its_image_earns_the_tool_bonus(t
     assert deepeyes_crops(response) == 1
 
 
+def test_a_rotate_call_the_protocol_can_make_renders_as_the_tool_it_reads_back():
+    """`can_call("rotate")` under DeepEyes' reading: the call the teacher's oracle would write is image_rotate_tool's
+    JSON, and it parses back to the same rotation."""
+    protocol = make_protocol(PROTOCOL)
+    assert protocol.can_call("rotate")
+    action = protocol.parse("<think>turn</think><tool_call>" + json.dumps(
+        {"name": "image_rotate_tool", "arguments": {"angle": 450}}) + "</tool_call>")
+    text = protocol.render_call("turn", action.call)
+    assert '"name": "image_rotate_tool"' in text and protocol.parse(text).call == action.call
+
+
 # --- training: trainer:1023-1030, dp_actor.py:302-306,381, rl_dataset.py:110-147 -----------------------------------
 
 

@@ -79,6 +79,9 @@ class DeepEyesProtocol(Protocol):
         return ToolCall("crop", {"bbox_2d": list(box), "source": ORIGINAL_IMAGE, "frame": "absolute"})
 
     def render_call(self, think: str, call: ToolCall) -> str:
+        if call.tool == "rotate":  # what `can_call` accepts under DeepEyes' reading: its image_rotate_tool
+            args = {"name": ROTATE_TOOL, "arguments": {"angle": call.arguments["angle"]}}
+            return f"<think>{think}</think>\n{self.call_open}{json.dumps(args)}{self.call_close}"
         # Round outwards, as the crop tool does, so a sub-pixel box stays non-empty and crops the same pixels.
         x0, y0, x1, y1 = call.arguments["bbox_2d"]
         box = [math.floor(x0), math.floor(y0), math.ceil(x1), math.ceil(y1)]
