@@ -324,7 +324,8 @@ def send_with_retries(
         if retry >= policy.max_retries:
             break
         delay = policy.delay(retry, retry_after)
-        log.warning("%s: attempt %d/%d failed (%s); retrying in %.2fs",
+        # counted in tries of the policy (each may hold transport retries); the final error counts requests sent
+        log.warning("%s: try %d/%d failed (%s); retrying in %.2fs",
                     endpoint, retry + 1, policy.max_retries + 1, cause, delay)
         time.sleep(delay)
         retry += 1
